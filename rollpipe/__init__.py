@@ -1,0 +1,1 @@
+"""rollpipe: rollout-data pipelines for LLM RL on torchdata."""

@@ -1,0 +1,94 @@
+"""Batch: whole groups into batches of exactly ``num_trajectories`` trajectories.
+
+Batching comes before collation so that padding happens once, to the batch's own
+longest row. The record it yields, :class:`TrajectoryBatch`, still holds trajectory
+records; ``Collate`` turns it into a ``DataProto``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any
+
+import attrs
+from torchdata.nodes import BaseNode
+
+from rollpipe.trajectory import Group, Trajectory
+
+
+@attrs.frozen
+class TrajectoryBatch:
+    """Whole groups making up one training batch, with drop counts and wall time."""
+
+    groups: tuple[Group, ...]
+    drops: dict[str, int] = attrs.field(factory=dict)
+    wall_time_s: float = 0.0
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        return [t for g in self.groups for t in g.trajectories]
+
+    def __len__(self) -> int:
+        return sum(len(g.trajectories) for g in self.groups)
+
+
+class Batch(BaseNode[TrajectoryBatch]):
+    """Concatenates groups until exactly ``num_trajectories`` (``-1``: until the end).
+
+    ``num_trajectories`` may be changed between calls (``RolloutPipeline.get_batch``
+    does). At the end of the stream a smaller final batch is yielded unless
+    ``drop_last``.
+    """
+
+    def __init__(
+        self, source: BaseNode[Group], num_trajectories: int, *, drop_last: bool = False
+    ) -> None:
+        super().__init__()
+        self.source = source
+        self.num_trajectories = num_trajectories
+        self.drop_last = drop_last
+        self._check_size(num_trajectories)
+        self._carry: list[Group] = []  # a group that did not fit, kept for the next batch
+        self._last_emit = time.perf_counter()
+
+    @staticmethod
+    def _check_size(n: int) -> None:
+        if n == 0 or n < -1:
+            raise ValueError(f"Batch: num_trajectories must be >= 1 or -1 (all), got {n}")
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self.source.reset(None if initial_state is None else initial_state["source"])
+        self._carry = [] if initial_state is None else list(initial_state["carry"])
+        self._last_emit = time.perf_counter()
+
+    def get_state(self) -> dict[str, Any]:
+        return {"source": self.source.state_dict(), "carry": list(self._carry)}
+
+    def next(self) -> TrajectoryBatch:
+        target = self.num_trajectories
+        self._check_size(target)
+        groups: list[Group] = []
+        drops: Counter[str] = Counter()
+        count = 0
+        while target == -1 or count < target:
+            try:
+                group = self._carry.pop() if self._carry else next(self.source)
+            except StopIteration:
+                if not groups or (self.drop_last and target != -1):
+                    raise
+                break
+            size = len(group.trajectories)
+            if target != -1 and count + size > target:
+                self._carry = [*groups, group][::-1]  # nothing is lost: retried next call
+                raise ValueError(
+                    f"Batch: num_trajectories={target} is not a multiple of the group size "
+                    f"({size}); a batch holds whole groups — pick a multiple of {size}"
+                )
+            groups.append(group)
+            drops.update(group.drops)
+            count += size
+        now = time.perf_counter()
+        wall, self._last_emit = now - self._last_emit, now
+        return TrajectoryBatch(groups=tuple(groups), drops=dict(drops), wall_time_s=wall)

@@ -1,0 +1,76 @@
+"""Collate: trajectory records to one padded ``DataProto``.
+
+Token-in/token-out: rows are the exact ids the engine saw and produced (see
+``rollpipe.formulation``). Padding happens here, once, to the longest row of what
+arrives (optionally rounded up to a multiple), never to a global sequence length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from torchdata.nodes import BaseNode
+
+from rollpipe.formulation import step_rows, trajectory_rows
+from rollpipe.metrics import batch_metrics
+from rollpipe.nodes.batch import TrajectoryBatch
+from rollpipe.proto import DataProto
+from rollpipe.trajectory import Group, Trajectory
+
+Level = Literal["trajectory", "step"]
+
+
+class Collate(BaseNode[DataProto]):
+    """Turns a :class:`TrajectoryBatch`, a :class:`Group` or a list of trajectories into rows.
+
+    ``level="trajectory"`` gives one row per trajectory; ``level="step"`` one row per
+    turn (GiGPO style). Metrics of the trajectories go to ``meta_info["metrics"]``.
+    """
+
+    def __init__(
+        self,
+        source: BaseNode[Any],
+        pad_token_id: int,
+        *,
+        pad_to_multiple_of: int | None = None,
+        level: Level = "trajectory",
+    ) -> None:
+        super().__init__()
+        if level not in ("trajectory", "step"):
+            raise ValueError(f"Collate: level must be 'trajectory' or 'step', got {level!r}")
+        if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
+            raise ValueError(
+                f"Collate: pad_to_multiple_of must be >= 1 or None, got {pad_to_multiple_of}"
+            )
+        self.source = source
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.level = level
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self.source.reset(None if initial_state is None else initial_state["source"])
+
+    def get_state(self) -> dict[str, Any]:
+        return {"source": self.source.state_dict()}
+
+    def collate(self, item: TrajectoryBatch | Group | Sequence[Trajectory]) -> DataProto:
+        """Rows and metrics for one item (usable without a source, e.g. in a map)."""
+        drops: dict[str, int] = {}
+        wall = 0.0
+        if isinstance(item, TrajectoryBatch):
+            trajectories, drops, wall = item.trajectories, dict(item.drops), item.wall_time_s
+        elif isinstance(item, Group):
+            trajectories, drops = list(item.trajectories), dict(item.drops)
+        else:
+            trajectories = list(item)
+        to_rows = trajectory_rows if self.level == "trajectory" else step_rows
+        rows = to_rows(
+            trajectories, self.pad_token_id, pad_to_multiple_of=self.pad_to_multiple_of
+        )
+        rows.meta_info["metrics"] = batch_metrics(trajectories, drops, wall)
+        return rows
+
+    def next(self) -> DataProto:
+        return self.collate(next(self.source))

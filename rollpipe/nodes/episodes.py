@@ -1,0 +1,144 @@
+"""EpisodeSource: the stream of episode specs that starts every rollout.
+
+All members of a group share one seed (so they start from the same state, as GRPO
+needs) and every seed derives from the one user seed, so the same config yields the
+same episodes in every run. The source is a counter, so its state is two integers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+from torchdata.nodes import BaseNode
+
+from rollpipe.nodes.control import RolloutControl
+from rollpipe.seeding import derive_seed
+from rollpipe.trajectory import EpisodeSpec
+
+
+def _non_negative(instance: Any, attribute: attrs.Attribute, value: float) -> None:
+    if value < 0:
+        raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
+
+
+@attrs.frozen
+class EnvChoice:
+    """One kind of environment in a mix: registry name, config, mixing weight and tag."""
+
+    name: str
+    config: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
+    weight: float = attrs.field(default=1.0, validator=_non_negative)
+    tag: str = ""
+
+    @property
+    def label(self) -> str:
+        """The tag rows carry: the explicit tag, else the env name."""
+        return self.tag or self.name
+
+
+def as_env_choices(envs: str | EnvChoice | Sequence[str | EnvChoice]) -> tuple[EnvChoice, ...]:
+    """Normalise ``"frozenlake"``, an EnvChoice, or a list of either."""
+    items = [envs] if isinstance(envs, (str, EnvChoice)) else list(envs)
+    if not items:
+        raise ValueError("envs: need at least one environment, got an empty list")
+    choices = tuple(EnvChoice(e) if isinstance(e, str) else e for e in items)
+    if sum(c.weight for c in choices) <= 0:
+        raise ValueError(f"envs: weights must not all be 0, got {[c.weight for c in choices]}")
+    return choices
+
+
+class EpisodeSource(BaseNode[EpisodeSpec]):
+    """Yields ``members_per_group`` specs per group for ``num_groups`` groups (None: endless).
+
+    Args:
+        num_groups: groups to produce; ``None`` never ends.
+        group_size: trajectories a group needs (GRPO's ``n``).
+        seed: the user seed every episode seed derives from.
+        envs: an env name, an :class:`EnvChoice`, or several mixed by ``weight`` (one
+            draw per group, so all members of a group run the same env).
+        redundancy: extra members started per group; the first ``group_size`` to finish win.
+        control: when given, replacement groups requested by downstream stages are added
+            to a finite budget.
+    """
+
+    def __init__(
+        self,
+        num_groups: int | None,
+        group_size: int,
+        seed: int = 0,
+        envs: str | EnvChoice | Sequence[str | EnvChoice] = "frozenlake",
+        *,
+        redundancy: int = 0,
+        control: RolloutControl | None = None,
+    ) -> None:
+        super().__init__()
+        if num_groups is not None and num_groups < 0:
+            raise ValueError(f"num_groups must be >= 0 or None (endless), got {num_groups}")
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        if redundancy < 0:
+            raise ValueError(f"redundancy must be >= 0, got {redundancy}")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        self.num_groups = num_groups
+        self.group_size = group_size
+        self.redundancy = redundancy
+        self.seed = seed
+        self.envs = as_env_choices(envs)
+        self.control = control
+        weights = np.array([c.weight for c in self.envs], dtype=np.float64)
+        self._cum_weights = np.cumsum(weights / weights.sum())
+        self._group = 0
+        self._member = 0
+        self._budget = num_groups
+
+    @property
+    def members_per_group(self) -> int:
+        return self.group_size + self.redundancy
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        if initial_state is None:
+            self._group, self._member, self._budget = 0, 0, self.num_groups
+        else:
+            self._group = int(initial_state["group"])
+            self._member = int(initial_state["member"])
+            self._budget = initial_state["budget"]
+
+    def get_state(self) -> dict[str, Any]:
+        return {"group": self._group, "member": self._member, "budget": self._budget}
+
+    def choice_for(self, group_id: int) -> EnvChoice:
+        """The env kind of ``group_id``: a seeded weighted draw, fixed per group."""
+        if len(self.envs) == 1:
+            return self.envs[0]
+        u = np.random.default_rng(derive_seed(self.seed, group_id, 1)).random()
+        return self.envs[int(np.searchsorted(self._cum_weights, u, side="right"))]
+
+    def spec(self, group_id: int, member: int) -> EpisodeSpec:
+        """The spec of member ``member`` of group ``group_id`` (pure function of the config)."""
+        env = self.choice_for(group_id)
+        return EpisodeSpec(
+            group_id=group_id,
+            episode_id=group_id * self.members_per_group + member,
+            seed=derive_seed(self.seed, group_id),
+            env=env.name,
+            env_config=tuple(sorted(env.config.items())),
+            tag=env.label,
+        )
+
+    def next(self) -> EpisodeSpec:
+        if self.control is not None:
+            extra = self.control.take_replacements()
+            if self._budget is not None:
+                self._budget += extra
+        if self._budget is not None and self._group >= self._budget:
+            raise StopIteration
+        spec = self.spec(self._group, self._member)
+        self._member += 1
+        if self._member == self.members_per_group:
+            self._group, self._member = self._group + 1, 0
+        return spec

@@ -1,0 +1,178 @@
+"""GroupAssembler: complete GRPO groups out of a stream of trajectories.
+
+Trajectories arrive in any order; a group is emitted only once ``group_size`` good
+members are in. With ``redundancy`` extra members running, the first ``group_size``
+finishers win and the rest are cancelled. A group that a filter rejects, that is too
+stale, or that errored beyond what redundancy covers is dropped, counted, and replaced
+by a request for a new group, so a filter cannot starve the trainer.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from torchdata.nodes import BaseNode
+
+from rollpipe.nodes.control import RolloutControl
+from rollpipe.trajectory import Group, Trajectory
+
+GroupFilter = Callable[[Group], bool]
+"""Returns True to keep a group."""
+
+
+def drop_zero_variance(group: Group, eps: float = 1e-6) -> bool:
+    """Keep a group only if its episode scores differ (all-equal scores give GRPO no signal)."""
+    scores = np.array([t.score for t in group.trajectories], dtype=np.float64)
+    return bool(scores.std() > eps)
+
+
+FILTERS: dict[str, GroupFilter] = {"zero_variance": drop_zero_variance}
+
+
+def resolve_filter(filter: str | GroupFilter | None) -> GroupFilter | None:
+    """A filter given by name (see ``FILTERS``) or as a callable."""
+    if filter is None or callable(filter):
+        return filter
+    if filter not in FILTERS:
+        raise ValueError(f"filter: unknown name {filter!r}; use one of {sorted(FILTERS)} or a callable")
+    return FILTERS[filter]
+
+
+class GroupAssembler(BaseNode[Group]):
+    """Buffers trajectories by ``group_id`` and yields complete :class:`Group` records.
+
+    Args:
+        source: node yielding :class:`Trajectory`.
+        group_size: members a group needs.
+        redundancy: extra members started per group (errors up to this many are covered).
+        filter: ``"zero_variance"`` or a callable ``Group -> bool`` (True keeps).
+        max_staleness: drop a group whose oldest token is more than this many policy
+            versions behind ``current_version()``.
+        current_version: the trainer's current policy version (usually ``engine.version``).
+        control: shared control; cancels redundant members and requests replacements.
+
+    Each yielded group carries ``drops``: the counts of what was dropped since the
+    previous yielded group (``filtered``, ``stale``, ``errored`` groups,
+    ``errored_trajectories``, ``redundant`` late members, ``incomplete`` at end of stream).
+    """
+
+    def __init__(
+        self,
+        source: BaseNode[Trajectory],
+        group_size: int,
+        *,
+        redundancy: int = 0,
+        filter: str | GroupFilter | None = None,
+        max_staleness: int | None = None,
+        current_version: Callable[[], int] | None = None,
+        control: RolloutControl | None = None,
+    ) -> None:
+        super().__init__()
+        if group_size < 1:
+            raise ValueError(f"GroupAssembler: group_size must be >= 1, got {group_size}")
+        if redundancy < 0:
+            raise ValueError(f"GroupAssembler: redundancy must be >= 0, got {redundancy}")
+        if max_staleness is not None:
+            if max_staleness < 0:
+                raise ValueError(f"GroupAssembler: max_staleness must be >= 0, got {max_staleness}")
+            if current_version is None:
+                raise ValueError(
+                    "GroupAssembler: max_staleness needs current_version "
+                    "(e.g. current_version=lambda: engine.version)"
+                )
+        self.source = source
+        self.group_size = group_size
+        self.redundancy = redundancy
+        self.filter = resolve_filter(filter)
+        self.max_staleness = max_staleness
+        self.current_version = current_version
+        self.control = control
+        self._clear()
+
+    def _clear(self) -> None:
+        self._members: dict[int, list[Trajectory]] = {}
+        self._errors: Counter[int] = Counter()
+        self._closed: set[int] = set()
+        self._drops: Counter[str] = Counter()
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self._clear()
+        if initial_state is None:
+            self.source.reset(None)
+            return
+        self.source.reset(initial_state["source"])
+        self._members = {int(g): list(ts) for g, ts in initial_state["members"].items()}
+        self._errors = Counter({int(g): n for g, n in initial_state["errors"].items()})
+        self._closed = set(initial_state["closed"])
+        self._drops = Counter(initial_state["drops"])
+
+    def get_state(self) -> dict[str, Any]:
+        return {
+            "source": self.source.state_dict(),
+            "members": {g: list(ts) for g, ts in self._members.items()},
+            "errors": dict(self._errors),
+            "closed": sorted(self._closed),
+            "drops": dict(self._drops),
+        }
+
+    def _close(self, group_id: int, drop_reason: str | None) -> None:
+        """No more members of this group are wanted; replace it if it was dropped."""
+        self._closed.add(group_id)
+        self._members.pop(group_id, None)
+        self._errors.pop(group_id, None)
+        if self.control is not None:
+            if self.redundancy or drop_reason is not None:
+                self.control.cancel_group(group_id)
+            if drop_reason is not None:
+                self.control.request_groups(1)
+        if drop_reason is not None:
+            self._drops[drop_reason] += 1
+
+    def _is_stale(self, group: Group) -> bool:
+        if self.max_staleness is None or self.current_version is None:
+            return False
+        oldest = group.min_version  # -1: no token generated, nothing to be stale
+        return oldest >= 0 and self.current_version() - oldest > self.max_staleness
+
+    def _add(self, traj: Trajectory) -> Group | None:
+        gid = traj.group_id
+        if gid in self._closed:
+            self._drops["redundant"] += 1
+            return None
+        if traj.end_reason == "error":
+            self._drops["errored_trajectories"] += 1
+            self._errors[gid] += 1
+            if self._errors[gid] > self.redundancy:
+                self._close(gid, "errored")
+            return None
+        members = self._members.setdefault(gid, [])
+        members.append(traj)
+        if len(members) < self.group_size:
+            return None
+        group = Group(group_id=gid, trajectories=tuple(members))
+        if self._is_stale(group):
+            self._close(gid, "stale")
+            return None
+        if self.filter is not None and not self.filter(group):
+            self._close(gid, "filtered")
+            return None
+        self._close(gid, None)
+        drops, self._drops = dict(self._drops), Counter()
+        return Group(group_id=gid, trajectories=group.trajectories, drops=drops)
+
+    def next(self) -> Group:
+        while True:
+            try:
+                traj = next(self.source)
+            except StopIteration:
+                if self._members:
+                    self._drops["incomplete"] += len(self._members)
+                    self._members.clear()
+                raise
+            group = self._add(traj)
+            if group is not None:
+                return group

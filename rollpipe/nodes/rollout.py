@@ -1,0 +1,295 @@
+"""Rollout: many episodes at once, every live request in flight together.
+
+Each episode is a coroutine (``rollpipe.episode.run_episode``). Up to ``concurrency``
+run on one event loop, so all of their engine requests reach the engine together and
+its continuous batching does the batching: no lockstep turns, and a long episode
+never holds back the others. Blocking env calls run on a thread pool.
+
+The event loop is driven from ``next()``; the engine generates on its own thread, so
+requests keep progressing between calls. With ``in_order=True`` (the default, as in
+torchdata's ``ParallelMapper``) trajectories come out in admission order, which makes
+runs and checkpoint restores reproducible; ``in_order=False`` yields them as they
+finish. A checkpoint records the specs admitted but not yet yielded; a restore re-runs
+them, and their derived seeds reproduce them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections import deque
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from torchdata.nodes import BaseNode
+
+from rollpipe.chat import ChatFormat
+from rollpipe.engines.base import Engine, SamplingParams
+from rollpipe.envs import make as make_env
+from rollpipe.episode import run_episode
+from rollpipe.nodes.control import RolloutControl
+from rollpipe.trajectory import EpisodeSpec, Trajectory
+
+EnvFactory = Callable[[EpisodeSpec], Any]
+"""Builds an environment for a spec; the default uses ``rollpipe.envs.make``."""
+
+
+def registry_env_factory(spec: EpisodeSpec) -> Any:
+    """The env named by the spec, from the registry, with the spec's config."""
+    return make_env(spec.env, **dict(spec.env_config))
+
+
+class Rollout(BaseNode[Trajectory]):
+    """Runs episode specs from ``source`` to finished :class:`Trajectory` records.
+
+    Args:
+        source: node yielding :class:`EpisodeSpec` (usually an ``EpisodeSource``).
+        engine: the generation engine (``VLLMEngine``, ``HFEngine``, ...).
+        chat: a :class:`ChatFormat`, or a tokenizer to build the default one from.
+        sampling: sampling parameters; per-turn seeds derive from the episode seed.
+        max_turns: turns before an episode ends with ``max_turns``.
+        max_length: token budget of a whole trajectory (prompts plus responses).
+        concurrency: episodes in flight at once.
+        env_factory: builds an env for a spec (default: the registry). Instances are
+            pooled and reused; ``env_ids`` in the rows name the instance.
+        env_workers: threads for blocking env calls.
+        in_order: yield in admission order (reproducible) or completion order.
+        max_buffered: finished trajectories held back for ordering before admission
+            pauses (default ``4 * concurrency``).
+        control: shared :class:`RolloutControl` (admission gate, cancelled groups).
+        episode_kwargs: passed to ``run_episode`` (``raise_env_errors``, ``on_length``...).
+    """
+
+    def __init__(
+        self,
+        source: BaseNode[EpisodeSpec],
+        engine: Engine,
+        chat: Any,
+        *,
+        sampling: SamplingParams | None = None,
+        max_turns: int = 5,
+        max_length: int = 1024,
+        concurrency: int = 32,
+        env_factory: EnvFactory | None = None,
+        env_workers: int = 4,
+        in_order: bool = True,
+        max_buffered: int | None = None,
+        control: RolloutControl | None = None,
+        **episode_kwargs: Any,
+    ) -> None:
+        super().__init__()
+        for name, value in (("max_turns", max_turns), ("max_length", max_length),
+                            ("concurrency", concurrency), ("env_workers", env_workers)):
+            if value < 1:
+                raise ValueError(f"Rollout: {name} must be >= 1, got {value}")
+        self.source = source
+        self.engine = engine
+        self.chat = chat if isinstance(chat, ChatFormat) else ChatFormat(chat)
+        self.sampling = sampling or SamplingParams()
+        self.max_turns = max_turns
+        self.max_length = max_length
+        self.concurrency = concurrency
+        self.env_factory = env_factory or registry_env_factory
+        self.in_order = in_order
+        self.max_buffered = max_buffered or 4 * concurrency
+        self.control = control or RolloutControl()
+        self.episode_kwargs = episode_kwargs
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=env_workers, thread_name_prefix="rollpipe-env"
+        )
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._free_envs: dict[Hashable, list[tuple[int, Any]]] = {}
+        self._all_envs: list[Any] = []
+        self._clear()
+
+    # -- bookkeeping ----------------------------------------------------------------
+    def _clear(self) -> None:
+        self._live: dict[int, asyncio.Task[Trajectory]] = {}
+        self._pending: dict[int, EpisodeSpec] = {}  # admitted, not yet yielded
+        self._results: dict[int, Trajectory | None] = {}  # finished (None: cancelled)
+        self._finish_order: deque[int] = deque()
+        self._requeue: deque[EpisodeSpec] = deque()  # restored specs to run first
+        self._next_index = 0
+        self._emit_index = 0
+        self._source_done = False
+        self._requests_at_stop = 0  # replacement requests already pending when it stopped
+        self._source_state: dict[str, Any] | None = None
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self._cancel_all()
+        self._clear()
+        if initial_state is None:
+            self.source.reset(None)
+        else:
+            self.source.reset(initial_state["source"])
+            self._requeue.extend(initial_state["pending"])
+        self._source_state = self.source.state_dict()
+
+    def get_state(self) -> dict[str, Any]:
+        return {
+            "source": self._source_state,
+            "pending": list(self._pending.values()) + list(self._requeue),
+        }
+
+    # -- environments ---------------------------------------------------------------
+    def _acquire_env(self, spec: EpisodeSpec) -> tuple[int, Any]:
+        free = self._free_envs.setdefault((spec.env, spec.env_config), [])
+        if free:
+            return free.pop()
+        env = self.env_factory(spec)
+        self._all_envs.append(env)
+        return len(self._all_envs) - 1, env
+
+    def _release_env(self, spec: EpisodeSpec, env_id: int, env: Any) -> None:
+        self._free_envs[(spec.env, spec.env_config)].append((env_id, env))
+
+    async def _run(self, spec: EpisodeSpec) -> Trajectory:
+        env_id, env = self._acquire_env(spec)
+        try:
+            return await run_episode(
+                spec,
+                env,
+                self.engine,
+                self.chat,
+                sampling=self.sampling,
+                max_turns=self.max_turns,
+                max_length=self.max_length,
+                env_id=env_id,
+                admit=self.control.admit,
+                env_executor=self._executor,
+                **self.episode_kwargs,
+            )
+        finally:
+            self._release_env(spec, env_id, env)
+
+    # -- admission --------------------------------------------------------------------
+    def _take_spec(self) -> EpisodeSpec | None:
+        if self._requeue:
+            return self._requeue.popleft()
+        if self._source_done and not self._new_requests():
+            return None
+        try:
+            spec = next(self.source)
+        except StopIteration:
+            self._source_done = True
+            self._requests_at_stop = self.control.replacements_pending
+            return None
+        self._source_done = False
+        self._source_state = self.source.state_dict()
+        return spec
+
+    def _admit(self) -> None:
+        loop = self._event_loop()
+        while (
+            len(self._live) < self.concurrency
+            and len(self._results) < self.max_buffered
+            and self.control.is_open
+        ):
+            spec = self._take_spec()
+            if spec is None:
+                return
+            index = self._next_index
+            self._next_index += 1
+            self._pending[index] = spec
+            if self.control.is_cancelled(spec.group_id):
+                self._finish(index, None)
+            else:
+                self._live[index] = loop.create_task(self._run(spec))
+
+    def _cancel_unwanted(self) -> None:
+        cancelled = self.control.cancelled_groups()
+        if not cancelled:
+            return
+        for index, task in self._live.items():
+            if self._pending[index].group_id in cancelled:
+                task.cancel()
+
+    # -- completion -------------------------------------------------------------------
+    def _finish(self, index: int, result: Trajectory | None) -> None:
+        self._results[index] = result
+        self._finish_order.append(index)
+
+    def _collect(self, done: set[asyncio.Task[Trajectory]]) -> None:
+        for index in [i for i, t in self._live.items() if t in done]:
+            task = self._live.pop(index)
+            if task.cancelled():
+                self._finish(index, None)
+                continue
+            error = task.exception()
+            if error is not None:
+                raise error
+            self._finish(index, task.result())
+
+    def _pop_ready(self) -> Trajectory | None:
+        while True:
+            if self.in_order:
+                index = self._emit_index
+                if index not in self._results:
+                    return None
+                self._emit_index += 1
+            else:
+                if not self._finish_order:
+                    return None
+                index = self._finish_order.popleft()
+            result = self._results.pop(index)
+            del self._pending[index]
+            if result is not None and not self.control.is_cancelled(result.group_id):
+                return result
+
+    async def _wait_any(self, timeout: float) -> set[asyncio.Task[Trajectory]]:
+        done, _ = await asyncio.wait(
+            set(self._live.values()), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        return done
+
+    def next(self) -> Trajectory:
+        loop = self._event_loop()
+        while True:
+            self._cancel_unwanted()
+            self._admit()
+            item = self._pop_ready()
+            if item is not None:
+                return item
+            if self._live:
+                self._collect(loop.run_until_complete(self._wait_any(timeout=0.05)))
+            elif not self.control.is_open:
+                self.control.wait_open(timeout=0.05)
+            elif not self._results and self._take_is_over():
+                raise StopIteration
+
+    def _new_requests(self) -> bool:
+        """Replacement groups were requested since the source last ran dry."""
+        return self.control.replacements_pending > self._requests_at_stop
+
+    def _take_is_over(self) -> bool:
+        return not self._requeue and self._source_done and not self._new_requests()
+
+    # -- lifecycle --------------------------------------------------------------------
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None or self._loop.is_closed():
+            self._loop = asyncio.new_event_loop()
+        return self._loop
+
+    def _cancel_all(self) -> None:
+        if not self._live or self._loop is None:
+            return
+        for task in self._live.values():
+            task.cancel()
+        self._loop.run_until_complete(
+            asyncio.gather(*self._live.values(), return_exceptions=True)
+        )
+        self._live.clear()
+
+    def close(self) -> None:
+        """Cancel live episodes, stop the env threads, close the envs. Idempotent."""
+        self._cancel_all()
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.close()
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        for env in self._all_envs:
+            close = getattr(env, "close", None)
+            if close is not None:
+                close()
+        self._all_envs.clear()
+        self._free_envs.clear()

@@ -1,0 +1,164 @@
+"""GroupAssembler on arbitrary arrival orders (hypothesis), filters, staleness, errors."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torchdata.nodes import IterableWrapper, Loader
+
+from records import make_trajectory
+from rollpipe.nodes.control import RolloutControl
+from rollpipe.nodes.groups import GroupAssembler, drop_zero_variance
+
+
+def arrivals(num_groups: int, members: int, order: list[int], scores=None, errors=()):
+    """Trajectories of ``num_groups`` groups, ``members`` each, permuted by ``order``."""
+    trajs = [
+        make_trajectory(
+            g, g * members + m,
+            score=(scores[g][m] if scores else 1.0),
+            end_reason="error" if (g, m) in errors else "terminated",
+        )
+        for g in range(num_groups)
+        for m in range(members)
+    ]
+    return [trajs[i] for i in order]
+
+
+@st.composite
+def group_streams(draw):
+    num_groups = draw(st.integers(1, 6))
+    group_size = draw(st.integers(1, 4))
+    redundancy = draw(st.integers(0, 2))
+    members = group_size + redundancy
+    order = draw(st.permutations(list(range(num_groups * members))))
+    return num_groups, group_size, redundancy, order
+
+
+@settings(max_examples=60, deadline=None)
+@given(group_streams())
+def test_every_group_once_with_its_first_finishers(stream):
+    num_groups, group_size, redundancy, order = stream
+    members = group_size + redundancy
+    trajs = arrivals(num_groups, members, order)
+    groups = list(GroupAssembler(IterableWrapper(trajs), group_size, redundancy=redundancy))
+
+    assert sorted(g.group_id for g in groups) == list(range(num_groups))
+    for g in groups:
+        arrived = [t.episode_id for t in trajs if t.group_id == g.group_id]
+        assert [t.episode_id for t in g.trajectories] == arrived[:group_size]
+    ids = [t.episode_id for g in groups for t in g.trajectories]
+    assert len(ids) == len(set(ids))
+    drops = Counter()
+    for g in groups:
+        drops.update(g.drops)
+    # late members of already emitted groups are counted, except those after the last group
+    assert drops["redundant"] <= num_groups * redundancy
+
+
+@settings(max_examples=60, deadline=None)
+@given(group_streams(), st.data())
+def test_errors_beyond_redundancy_drop_the_group(stream, data):
+    num_groups, group_size, redundancy, order = stream
+    members = group_size + redundancy
+    errors = set(
+        data.draw(
+            st.lists(
+                st.tuples(st.integers(0, num_groups - 1), st.integers(0, members - 1)),
+                unique=True,
+            )
+        )
+    )
+    trajs = arrivals(num_groups, members, order, errors=errors)
+    control = RolloutControl()
+    node = GroupAssembler(IterableWrapper(trajs), group_size, redundancy=redundancy, control=control)
+    groups = list(node)
+
+    for g in groups:
+        assert all(t.end_reason != "error" for t in g.trajectories)
+        assert len(g.trajectories) == group_size
+    emitted = {g.group_id for g in groups}
+    for gid in range(num_groups):
+        assert (gid in emitted) == _succeeded_first(trajs, gid, group_size, redundancy)
+    dropped = sum(1 for gid in range(num_groups) if gid not in emitted)
+    # every dropped group asked for a replacement and is counted as errored
+    counted = sum(g.drops.get("errored", 0) for g in groups) + node._drops["errored"]
+    assert counted == dropped == control.replacements_pending
+
+
+def _succeeded_first(trajs, gid, group_size, redundancy):
+    good = bad = 0
+    for t in trajs:
+        if t.group_id != gid:
+            continue
+        if t.end_reason == "error":
+            bad += 1
+            if bad > redundancy:
+                return False
+        else:
+            good += 1
+            if good == group_size:
+                return True
+    return False
+
+
+def test_zero_variance_filter_drops_and_requests_replacements():
+    scores = [[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]]
+    trajs = arrivals(3, 2, list(range(6)), scores=scores)
+    control = RolloutControl()
+    node = GroupAssembler(IterableWrapper(trajs), 2, filter="zero_variance", control=control)
+    groups = list(node)
+    assert [g.group_id for g in groups] == [1]
+    assert groups[0].drops == {"filtered": 1}
+    assert node._drops["filtered"] == 1  # group 2, after the last emitted group
+    assert control.replacements_pending == 2
+    assert not drop_zero_variance(groups[0].__class__(group_id=0, trajectories=trajs[:2]))
+
+
+def test_stale_groups_are_dropped():
+    version = {"now": 5}
+    old = [make_trajectory(0, i, version=1) for i in range(2)]
+    fresh = [make_trajectory(1, 2 + i, version=4) for i in range(2)]
+    node = GroupAssembler(
+        IterableWrapper(old + fresh), 2, max_staleness=2, current_version=lambda: version["now"]
+    )
+    groups = list(node)
+    assert [g.group_id for g in groups] == [1]
+    assert groups[0].drops == {"stale": 1}
+
+
+def test_redundant_members_are_cancelled_through_control():
+    trajs = arrivals(1, 3, [2, 0, 1])
+    control = RolloutControl()
+    node = GroupAssembler(IterableWrapper(trajs), 2, redundancy=1, control=control)
+    group = next(node)
+    assert [t.episode_id for t in group.trajectories] == [2, 0]
+    assert control.is_cancelled(0)
+
+
+def test_checkpoint_mid_stream_resumes_exactly():
+    order = [0, 3, 1, 4, 6, 2, 7, 5, 8]
+    trajs = arrivals(3, 3, order)
+    full = [g.group_id for g in Loader(GroupAssembler(IterableWrapper(trajs), 3))]
+
+    loader = Loader(GroupAssembler(IterableWrapper(trajs), 3))
+    it = iter(loader)
+    first = next(it)
+    state = loader.state_dict()
+    resumed = Loader(GroupAssembler(IterableWrapper(trajs), 3))
+    resumed.load_state_dict(state)
+    rest = [g.group_id for g in resumed]
+    assert [first.group_id, *rest] == full
+
+
+def test_bad_arguments_name_the_field():
+    import pytest
+
+    with pytest.raises(ValueError, match="group_size must be >= 1, got 0"):
+        GroupAssembler(IterableWrapper([]), 0)
+    with pytest.raises(ValueError, match="max_staleness needs current_version"):
+        GroupAssembler(IterableWrapper([]), 2, max_staleness=1)
+    with pytest.raises(ValueError, match="unknown name 'nope'"):
+        GroupAssembler(IterableWrapper([]), 2, filter="nope")
