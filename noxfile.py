@@ -27,7 +27,7 @@ def install_project(session: nox.Session, extras: str) -> None:
     session.install(TORCH)
     session.install("-e", f".[{extras}]")
     if "cpu" in extras.split(","):
-        session.run("python", "-m", "pip", "uninstall", "-y", "-q", *BROKEN_ON_CPU_TORCH)
+        session.run_install("python", "-m", "pip", "uninstall", "-y", "-q", *BROKEN_ON_CPU_TORCH)
     session.run(
         "python",
         "-c",
@@ -64,3 +64,20 @@ def demo(session: nox.Session) -> None:
     install_project(session, "cpu")
     env = {"ROLLPIPE_DEMO": "1"} | ({"CI": os.environ["CI"]} if "CI" in os.environ else {})
     session.run("rollpipe", "run", *session.posargs, env=env)
+
+
+@nox.session(python=PYTHON)
+def docs(session: nox.Session) -> None:
+    """Build the documentation site with warnings as errors."""
+    install_project(session, "docs")
+    session.run("mkdocs", "build", "--strict", "--site-dir", "site")
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Run every benchmark, print one table, write bench/results/latest.json.
+
+    `nox -s bench -- --quick` finishes in a few minutes on 2 CPU cores.
+    """
+    install_project(session, "cpu")
+    session.run("python", "-m", "bench.run", *session.posargs)

@@ -51,7 +51,9 @@ def batch_metrics(
         "time/env_s": env_time,
         "time/engine_wait_s": engine_time,
         "throughput/tokens_per_s": generated / wall_time_s if wall_time_s > 0 else 0.0,
-        "throughput/trajectories_per_s": len(trajectories) / wall_time_s if wall_time_s > 0 else 0.0,
+        "throughput/trajectories_per_s": len(trajectories) / wall_time_s
+        if wall_time_s > 0
+        else 0.0,
     }
     for kind in DROP_KINDS:
         metrics[f"dropped/{kind}"] = float(drops.get(kind, 0))

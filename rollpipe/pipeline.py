@@ -174,28 +174,47 @@ def build_nodes(
         tokenizer, system_prompt=config.system_prompt, history_window=config.history_window
     )
     source = EpisodeSource(
-        config.num_groups, config.group_size, config.seed, config.envs,
-        redundancy=config.redundancy, control=control,
+        config.num_groups,
+        config.group_size,
+        config.seed,
+        config.envs,
+        redundancy=config.redundancy,
+        control=control,
     )
     rollout = Rollout(
-        hooked("source", source), engine, chat,
-        sampling=config.sampling, max_turns=config.max_turns, max_length=config.max_length,
-        concurrency=config.concurrency, env_workers=config.env_workers,
-        in_order=config.in_order, control=control,
-        raise_env_errors=config.raise_env_errors, on_length=config.on_length,
+        hooked("source", source),
+        engine,
+        chat,
+        sampling=config.sampling,
+        max_turns=config.max_turns,
+        max_length=config.max_length,
+        concurrency=config.concurrency,
+        env_workers=config.env_workers,
+        in_order=config.in_order,
+        control=control,
+        raise_env_errors=config.raise_env_errors,
+        on_length=config.on_length,
     )
     groups = GroupAssembler(
-        hooked("rollout", rollout), config.group_size,
-        redundancy=config.redundancy, filter=config.filter, max_staleness=config.max_staleness,
-        current_version=lambda: engine.version, control=control,
+        hooked("rollout", rollout),
+        config.group_size,
+        redundancy=config.redundancy,
+        filter=config.filter,
+        max_staleness=config.max_staleness,
+        current_version=lambda: engine.version,
+        control=control,
     )
     batch = Batch(hooked("groups", groups), config.batch_size)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    collate = Collate(
-        hooked("batch", batch), pad_id,
-        pad_to_multiple_of=config.pad_to_multiple_of, level=config.level,
+    pad_id = (
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     )
-    root = Pausable(hooked("collate", collate), controller)
+    collate = Collate(
+        hooked("batch", batch),
+        pad_id,
+        pad_to_multiple_of=config.pad_to_multiple_of,
+        level=config.level,
+    )
+    root: Pausable[DataProto] = Pausable(hooked("collate", collate), controller)
     return PipelineNodes(control, controller, source, rollout, groups, batch, collate, root)
 
 

@@ -8,16 +8,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torchdata.nodes import IterableWrapper, Loader
 
-from records import make_trajectory
 from rollpipe.nodes.control import RolloutControl
 from rollpipe.nodes.groups import GroupAssembler, drop_zero_variance
+
+from records import make_trajectory
 
 
 def arrivals(num_groups: int, members: int, order: list[int], scores=None, errors=()):
     """Trajectories of ``num_groups`` groups, ``members`` each, permuted by ``order``."""
     trajs = [
         make_trajectory(
-            g, g * members + m,
+            g,
+            g * members + m,
             score=(scores[g][m] if scores else 1.0),
             end_reason="error" if (g, m) in errors else "terminated",
         )
@@ -73,7 +75,9 @@ def test_errors_beyond_redundancy_drop_the_group(stream, data):
     )
     trajs = arrivals(num_groups, members, order, errors=errors)
     control = RolloutControl()
-    node = GroupAssembler(IterableWrapper(trajs), group_size, redundancy=redundancy, control=control)
+    node = GroupAssembler(
+        IterableWrapper(trajs), group_size, redundancy=redundancy, control=control
+    )
     groups = list(node)
 
     for g in groups:
@@ -84,7 +88,7 @@ def test_errors_beyond_redundancy_drop_the_group(stream, data):
         assert (gid in emitted) == _succeeded_first(trajs, gid, group_size, redundancy)
     dropped = sum(1 for gid in range(num_groups) if gid not in emitted)
     # every dropped group asked for a replacement and is counted as errored
-    counted = sum(g.drops.get("errored", 0) for g in groups) + node._drops["errored"]
+    counted = sum(g.drops.get("errored", 0) for g in groups) + node.pending_drops.get("errored", 0)
     assert counted == dropped == control.replacements_pending
 
 
@@ -112,7 +116,7 @@ def test_zero_variance_filter_drops_and_requests_replacements():
     groups = list(node)
     assert [g.group_id for g in groups] == [1]
     assert groups[0].drops == {"filtered": 1}
-    assert node._drops["filtered"] == 1  # group 2, after the last emitted group
+    assert node.pending_drops["filtered"] == 1  # group 2, after the last emitted group
     assert control.replacements_pending == 2
     assert not drop_zero_variance(groups[0].__class__(group_id=0, trajectories=trajs[:2]))
 

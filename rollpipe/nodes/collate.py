@@ -66,9 +66,7 @@ class Collate(BaseNode[DataProto]):
         else:
             trajectories = list(item)
         to_rows = trajectory_rows if self.level == "trajectory" else step_rows
-        rows = to_rows(
-            trajectories, self.pad_token_id, pad_to_multiple_of=self.pad_to_multiple_of
-        )
+        rows = to_rows(trajectories, self.pad_token_id, pad_to_multiple_of=self.pad_to_multiple_of)
         rows.meta_info["metrics"] = batch_metrics(trajectories, drops, wall)
         return rows
 

@@ -37,7 +37,9 @@ def resolve_filter(filter: str | GroupFilter | None) -> GroupFilter | None:
     if filter is None or callable(filter):
         return filter
     if filter not in FILTERS:
-        raise ValueError(f"filter: unknown name {filter!r}; use one of {sorted(FILTERS)} or a callable")
+        raise ValueError(
+            f"filter: unknown name {filter!r}; use one of {sorted(FILTERS)} or a callable"
+        )
     return FILTERS[filter]
 
 
@@ -97,6 +99,7 @@ class GroupAssembler(BaseNode[Group]):
         self._errors: Counter[int] = Counter()
         self._closed: set[int] = set()
         self._drops: Counter[str] = Counter()
+        self.total_drops: Counter[str] = Counter()  # since the last reset; for progress displays
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -130,7 +133,16 @@ class GroupAssembler(BaseNode[Group]):
             if drop_reason is not None:
                 self.control.request_groups(1)
         if drop_reason is not None:
-            self._drops[drop_reason] += 1
+            self._drop(drop_reason)
+
+    @property
+    def pending_drops(self) -> dict[str, int]:
+        """Drops not yet reported on a yielded group (those after the last one)."""
+        return dict(self._drops)
+
+    def _drop(self, reason: str, n: int = 1) -> None:
+        self._drops[reason] += n
+        self.total_drops[reason] += n
 
     def _is_stale(self, group: Group) -> bool:
         if self.max_staleness is None or self.current_version is None:
@@ -141,10 +153,10 @@ class GroupAssembler(BaseNode[Group]):
     def _add(self, traj: Trajectory) -> Group | None:
         gid = traj.group_id
         if gid in self._closed:
-            self._drops["redundant"] += 1
+            self._drop("redundant")
             return None
         if traj.end_reason == "error":
-            self._drops["errored_trajectories"] += 1
+            self._drop("errored_trajectories")
             self._errors[gid] += 1
             if self._errors[gid] > self.redundancy:
                 self._close(gid, "errored")
@@ -170,7 +182,7 @@ class GroupAssembler(BaseNode[Group]):
                 traj = next(self.source)
             except StopIteration:
                 if self._members:
-                    self._drops["incomplete"] += len(self._members)
+                    self._drop("incomplete", len(self._members))
                     self._members.clear()
                 raise
             group = self._add(traj)

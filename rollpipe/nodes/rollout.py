@@ -78,8 +78,12 @@ class Rollout(BaseNode[Trajectory]):
         **episode_kwargs: Any,
     ) -> None:
         super().__init__()
-        for name, value in (("max_turns", max_turns), ("max_length", max_length),
-                            ("concurrency", concurrency), ("env_workers", env_workers)):
+        for name, value in (
+            ("max_turns", max_turns),
+            ("max_length", max_length),
+            ("concurrency", concurrency),
+            ("env_workers", env_workers),
+        ):
             if value < 1:
                 raise ValueError(f"Rollout: {name} must be >= 1, got {value}")
         self.source = source
@@ -276,9 +280,7 @@ class Rollout(BaseNode[Trajectory]):
             return
         for task in self._live.values():
             task.cancel()
-        self._loop.run_until_complete(
-            asyncio.gather(*self._live.values(), return_exceptions=True)
-        )
+        self._loop.run_until_complete(asyncio.gather(*self._live.values(), return_exceptions=True))
         self._live.clear()
 
     def close(self) -> None:

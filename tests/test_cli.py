@@ -1,0 +1,62 @@
+"""The ``rollpipe`` command: run (HF engine here; the demo session runs vLLM), inspect, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rollpipe.cli import main
+
+
+def test_run_saves_batches_and_inspect_reads_them(tmp_path, tiny_model_path, capsys):
+    out = tmp_path / "out"
+    code = main([
+        "run", "--engine", "hf", "--model", str(tiny_model_path), "--batches", "2",
+        "--batch-size", "4", "--group-size", "2", "--max-turns", "2", "--out", str(out),
+    ])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "total" in printed and "tokens/s" in printed
+    assert sorted(p.name for p in out.iterdir()) == [
+        "batch_0000.pt", "batch_0001.pt", "trajectories.jsonl",
+    ]
+    records = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    assert len(records) == 8
+    assert all(any(s["role"] == "response" for s in r["spans"]) for r in records)
+
+    assert main(["inspect", str(out / "batch_0000.pt"), "--row", "1"]) == 0
+    shown = capsys.readouterr().out
+    assert "input_ids" in shown and "response_mask" in shown and "[[" in shown
+    assert records[1]["traj_uid"] in shown
+
+
+def test_config_file_errors_name_the_key(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("group_size: 4\nbatch_sise: 8\n")
+    assert main(["run", "--config", str(bad)]) == 2
+    assert "unknown keys ['batch_sise']" in capsys.readouterr().out
+    bad.write_text("group_size: 0\n")
+    assert main(["run", "--config", str(bad)]) == 2
+    assert "group_size must be an int >= 1, got 0" in capsys.readouterr().out
+
+
+def test_inspect_rejects_a_missing_file(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path / "nope.pt")]) == 2
+    assert "nope.pt" in capsys.readouterr().out
+
+
+def test_python_dash_m_help():
+    result = subprocess.run(
+        [sys.executable, "-m", "rollpipe", "run", "--help"], capture_output=True, text=True,
+        check=True,
+    )
+    assert "--batch-size" in result.stdout and "--engine" in result.stdout
+
+
+@pytest.mark.parametrize("flag,value", [("--batches", "0")])
+def test_bad_flag_values(flag, value, capsys):
+    assert main(["run", flag, value]) == 2
+    assert "--batches must be >= 1" in capsys.readouterr().out

@@ -1,0 +1,227 @@
+"""RolloutPipeline end to end on the real vLLM engine and the tiny local model."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from rollpipe.envs import FrozenLake, register
+from rollpipe.pipeline import PipelineConfig, RolloutPipeline
+
+SAMPLING = {"max_tokens": 16, "temperature": 1.0}
+
+
+def config(**changes) -> PipelineConfig:
+    base = dict(
+        envs="frozenlake",
+        group_size=4,
+        batch_size=8,
+        num_groups=4,
+        max_turns=2,
+        max_length=512,
+        concurrency=16,
+        seed=3,
+        sampling=SAMPLING,
+    )
+    return PipelineConfig(**(base | changes))
+
+
+def rows_of(batch):
+    """Per-row (traj uid, real input ids) — what must match between equal runs."""
+    ids, mask = batch.batch["input_ids"], batch.batch["attention_mask"].bool()
+    return [
+        (batch.non_tensor_batch["traj_uid"][i], tuple(ids[i][mask[i]].tolist()))
+        for i in range(len(batch))
+    ]
+
+
+def assert_valid(batch, expected_rows: int) -> None:
+    assert len(batch) == expected_rows
+    td = batch.batch
+    attention, response, prompt = (
+        td["attention_mask"].bool(),
+        td["response_mask"].bool(),
+        td["prompt_mask"].bool(),
+    )
+    assert not (response & ~attention).any()
+    assert not (prompt & response).any()
+    assert (td["position_ids"] == (td["attention_mask"].cumsum(-1) - 1).clamp(min=0)).all()
+    # no row repeats, and members of a group share the seed and first observation
+    uids = list(batch.non_tensor_batch["traj_uid"])
+    assert len(set(uids)) == len(uids)
+    assert len(set(td["traj_id"].tolist())) == len(uids)
+    for gid in set(td["traj_group_id"].tolist()):
+        rows = (td["traj_group_id"] == gid).nonzero().flatten().tolist()
+        first_prompts = {tuple(td["input_ids"][r][prompt[r]].tolist()) for r in rows}
+        assert len(first_prompts) == 1, f"group {gid} members saw different first prompts"
+    metrics = batch.meta_info["metrics"]
+    for key in (
+        "episode_score/mean",
+        "success_rate",
+        "turns/mean",
+        "response_length/mean",
+        "throughput/tokens_per_s",
+        "time/env_s",
+        "time/engine_wait_s",
+        "dropped/filtered",
+        "dropped/stale",
+        "dropped/errored",
+    ):
+        assert key in metrics, key
+    assert metrics["trajectories"] == expected_rows
+
+
+def test_batches_are_valid_and_complete(vllm_engine, tokenizer):
+    with RolloutPipeline(config(), vllm_engine, tokenizer) as pipe:
+        batches = list(pipe)
+    assert [len(b) for b in batches] == [8, 8]
+    for b in batches:
+        assert_valid(b, 8)
+    ids = torch.cat([b.batch["traj_id"] for b in batches]).tolist()
+    assert sorted(ids) == list(range(16))  # every episode exactly once
+
+
+def test_same_config_gives_identical_batches(vllm_engine, tokenizer):
+    runs = []
+    for _ in range(2):
+        with RolloutPipeline(config(), vllm_engine, tokenizer) as pipe:
+            runs.append([rows_of(b) for b in pipe])
+    assert runs[0] == runs[1]
+
+
+def test_checkpoint_restore_continues_exactly(vllm_engine, tokenizer):
+    cfg = config(num_groups=6)
+    with RolloutPipeline(cfg, vllm_engine, tokenizer) as pipe:
+        uninterrupted = [rows_of(b) for b in pipe]
+    assert len(uninterrupted) == 3
+    with RolloutPipeline(cfg, vllm_engine, tokenizer) as pipe:
+        first = rows_of(pipe.get_batch())
+        state = pipe.state_dict()
+    with RolloutPipeline(cfg, vllm_engine, tokenizer) as restored:
+        restored.load_state_dict(state)
+        rest = [rows_of(b) for b in restored]
+    assert [first, *rest] == uninterrupted
+
+
+def test_suspend_update_resume_loses_nothing(vllm_engine, tokenizer, tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_path, torch_dtype=torch.float32)
+    cfg = config(concurrency=4)
+    with RolloutPipeline(cfg, vllm_engine, tokenizer) as pipe:
+        first = pipe.get_batch()  # episodes of the next group are already in flight
+        old_version = pipe.version
+        pipe.suspend("keep")
+        with pytest.raises(RuntimeError, match="suspended: call resume"):
+            pipe.get_batch()
+        new_version = pipe.update_weights(policy)
+        pipe.resume()
+        second = pipe.get_batch()
+        assert pipe.get_batch() is None
+    assert new_version == old_version + 1
+    ids = sorted(first.batch["traj_id"].tolist() + second.batch["traj_id"].tolist())
+    assert ids == list(range(16))
+    versions = second.batch["policy_versions"][second.batch["response_mask"].bool()]
+    assert (versions == new_version).any()
+    assert set(versions.unique().tolist()) <= {old_version, new_version}
+
+
+@pytest.mark.parametrize("mode", ["abort", "wait"])
+def test_suspend_from_another_thread_while_a_batch_fills(vllm_engine, tokenizer, mode):
+    cfg = config(num_groups=2, max_turns=3, concurrency=8)
+    out: dict[str, object] = {}
+    with RolloutPipeline(cfg, vllm_engine, tokenizer) as pipe:
+        worker = threading.Thread(target=lambda: out.setdefault("batch", pipe.get_batch()))
+        worker.start()
+        for _ in range(3):
+            pipe.suspend(mode)
+            assert pipe.nodes.controller.is_suspended
+            pipe.resume()
+        worker.join(timeout=300)
+        assert not worker.is_alive(), "get_batch hung across suspend/resume"
+    batch = out["batch"]
+    assert_valid(batch, 8)
+    assert sorted(batch.batch["traj_id"].tolist()) == list(range(8))
+    # aborted turns are regenerated: every response is a complete engine output
+    assert set(batch.non_tensor_batch["end_reasons"]) <= {"terminated", "truncated", "max_turns"}
+
+
+class FlakyLake:
+    """FrozenLake whose step raises for even seeds: a stand-in for a crashing env."""
+
+    def __init__(self) -> None:
+        self.inner = FrozenLake()
+        self.crash = False
+
+    def reset(self, seed: int):
+        self.crash = seed % 2 == 0
+        return self.inner.reset(seed)
+
+    def step(self, action_text: str):
+        if self.crash:
+            raise RuntimeError("simulated env crash")
+        return self.inner.step(action_text)
+
+    def close(self) -> None:
+        pass
+
+
+register("flaky_lake", FlakyLake, overwrite=True)
+
+
+def test_erroring_env_drops_group_and_goes_on(vllm_engine, tokenizer):
+    cfg = config(envs="flaky_lake", group_size=2, batch_size=2, num_groups=4, max_turns=1)
+    with RolloutPipeline(cfg, vllm_engine, tokenizer) as pipe:
+        batches = list(pipe)
+    # dropped groups were replaced, so all 4 requested groups arrive
+    assert len(batches) == 4
+    errored = sum(b.meta_info["metrics"]["dropped/errored"] for b in batches)
+    errored += pipe.nodes.groups.pending_drops.get("errored", 0)
+    assert errored >= 1
+    for b in batches:
+        assert "error" not in set(b.non_tensor_batch["end_reasons"])
+
+    with (
+        RolloutPipeline(cfg.replace(raise_env_errors=True), vllm_engine, tokenizer) as pipe,
+        pytest.raises(RuntimeError, match="simulated env crash"),
+    ):
+        list(pipe)
+
+
+def test_redundancy_keeps_groups_whole(vllm_engine, tokenizer):
+    cfg = config(redundancy=2, num_groups=2)
+    with RolloutPipeline(cfg, vllm_engine, tokenizer) as pipe:
+        batch = pipe.get_batch(-1)
+        assert pipe.get_batch() is None
+    assert_valid(batch, 8)
+    counts = np.unique(batch.batch["traj_group_id"].numpy(), return_counts=True)[1]
+    assert counts.tolist() == [4, 4]
+
+
+def test_engine_death_raises_promptly(tiny_model_path, tokenizer):
+    from rollpipe.engines.base import EngineError
+    from rollpipe.engines.hf import HFEngine
+
+    engine = HFEngine(tiny_model_path)
+    pipe = RolloutPipeline(config(num_groups=None), engine, tokenizer)
+    assert len(pipe.get_batch()) == 8
+    engine.close()
+    with pytest.raises(EngineError):
+        pipe.get_batch()
+    pipe.close()
+
+
+def test_bad_configuration_names_the_field():
+    with pytest.raises(ValueError, match="group_size must be an int >= 1, got 0"):
+        PipelineConfig(group_size=0)
+    with pytest.raises(ValueError, match="batch_size=6 is not a multiple of group_size=4"):
+        PipelineConfig(batch_size=6, group_size=4)
+    with pytest.raises(ValueError, match="unknown env 'nolake'"):
+        PipelineConfig(envs="nolake")
+    with pytest.raises(ValueError, match=r"unknown keys \['colour'\]"):
+        PipelineConfig.from_dict({"colour": "red"})
+    with pytest.raises(ValueError, match=r"sampling: unknown keys \['temp'\]"):
+        PipelineConfig(sampling={"temp": 1.0})
