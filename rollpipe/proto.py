@@ -1,0 +1,467 @@
+"""``DataProto``: the rollout batch type of verl and ROLL, so trainers written for them read ours.
+
+A DataProto holds ``batch`` (a ``TensorDict`` with one batch dimension, or None when there
+are no tensors), ``non_tensor_batch`` (1-D numpy object arrays, one entry per row) and
+``meta_info`` (a dict for the whole batch). Row operations keep all columns aligned; invalid
+calls raise ``ValueError`` / ``KeyError`` / ``IndexError`` naming the key and the sizes.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import Tensor
+
+from rollpipe.proto_ops import (
+    as_object_column,
+    check_count,
+    check_fields,
+    check_same_columns,
+    check_union,
+    chunk_sizes,
+    coerce_columns,
+    group_indices,
+    join_tensordict,
+    keys_arg,
+    merge_meta_info,
+    minibatch_orders,
+    normalize_index,
+    pad_dataproto_to_divisor,
+    pad_to_divisor,
+    short_repr,
+    split_tensordict,
+    unpad,
+    unpad_dataproto,
+    values_equal,
+)
+from rollpipe.seeding import derive_seed
+
+__all__ = ["DataProto", "pad_dataproto_to_divisor", "pad_to_divisor", "unpad", "unpad_dataproto"]
+
+KeysArg = str | Iterable[str] | None
+
+
+class DataProto:
+    """Rows of tensors and Python objects plus batch-level ``meta_info`` (verl/ROLL layout)."""
+
+    def __init__(
+        self,
+        batch: TensorDictBase | None = None,
+        non_tensor_batch: Mapping[str, Any] | None = None,
+        meta_info: Mapping[str, Any] | None = None,
+    ) -> None:
+        if batch is not None and not isinstance(batch, TensorDictBase):
+            raise ValueError(
+                f"batch must be a tensordict.TensorDict or None, got {type(batch).__name__}; "
+                "use DataProto.from_dict(tensors=...) to build one from a dict of tensors"
+            )
+        self.batch: TensorDictBase | None = batch
+        self.non_tensor_batch: dict[str, np.ndarray] = {
+            k: as_object_column(k, v) for k, v in (non_tensor_batch or {}).items()
+        }
+        self.meta_info: dict[str, Any] = dict(meta_info or {})
+        self.check_consistency()
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def from_dict(
+        cls,
+        tensors: Mapping[str, Tensor] | None = None,
+        non_tensors: Mapping[str, Any] | None = None,
+        meta_info: Mapping[str, Any] | None = None,
+    ) -> DataProto:
+        """Build from tensors (first dim = rows) and per-row non-tensor sequences."""
+        tensors, non_tensors = dict(tensors or {}), dict(non_tensors or {})
+        for key, value in tensors.items():
+            if not isinstance(value, Tensor):
+                raise ValueError(
+                    f"tensors[{key!r}] is a {type(value).__name__}, not a tensor; pass it in "
+                    "non_tensors (or use DataProto.from_single_dict)"
+                )
+            if key in non_tensors:
+                raise ValueError(f"key {key!r} is in both tensors and non_tensors; keep one")
+        checked, n = coerce_columns({**tensors, **non_tensors})
+        batch = TensorDict({k: checked[k] for k in tensors}, [n or 0]) if tensors else None
+        columns = {k: checked[k] for k in non_tensors}
+        return cls(batch=batch, non_tensor_batch=columns, meta_info=meta_info)
+
+    @classmethod
+    def from_single_dict(
+        cls, data: Mapping[str, Any], meta_info: Mapping[str, Any] | None = None
+    ) -> DataProto:
+        """Build from one dict: tensors go to ``batch``, arrays/lists to ``non_tensor_batch``."""
+        tensors = {k: v for k, v in data.items() if isinstance(v, Tensor)}
+        others = {k: v for k, v in data.items() if not isinstance(v, Tensor)}
+        return cls.from_dict(tensors=tensors, non_tensors=others, meta_info=meta_info)
+
+    @classmethod
+    def from_tensordict(
+        cls, td: TensorDictBase, meta_info: Mapping[str, Any] | None = None
+    ) -> DataProto:
+        """Inverse of ``to_tensordict``: tensors -> batch, NonTensorStack -> columns,
+        NonTensorData -> meta_info (added to ``meta_info``)."""
+        tensor_keys, columns, meta = split_tensordict(td)
+        batch = td.select(*tensor_keys) if tensor_keys or not columns else None
+        return cls(batch=batch, non_tensor_batch=columns, meta_info={**(meta_info or {}), **meta})
+
+    def to_tensordict(self) -> TensorDictBase:
+        """One TensorDict as verl lays it out: tensors, non-tensor columns as NonTensorStack,
+        meta_info entries as NonTensorData."""
+        return join_tensordict(self.batch, self.non_tensor_batch, self.meta_info, len(self))
+
+    # ----------------------------------------------------------------- invariants
+    def check_consistency(self) -> None:
+        """Raise ValueError unless: one batch dim, 1-D object columns, one row count, no key
+        in both ``batch`` and ``non_tensor_batch``, dict meta_info."""
+        check_fields(self.batch, self.non_tensor_batch, self.meta_info)
+
+    # ----------------------------------------------------------------- basics
+    def __len__(self) -> int:
+        if self.batch is not None:
+            return int(self.batch.batch_size[0])
+        return len(next(iter(self.non_tensor_batch.values()))) if self.non_tensor_batch else 0
+
+    def keys(self) -> list[str]:
+        """All column names: batch keys, then non-tensor keys."""
+        batch_keys = list(self.batch.keys()) if self.batch is not None else []
+        return batch_keys + list(self.non_tensor_batch)
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, str):
+            return False
+        return (self.batch is not None and key in self.batch) or key in self.non_tensor_batch
+
+    def equals(self, other: object) -> bool:
+        """Same rows, same columns (in any order) holding equal values, equal meta_info."""
+        if not isinstance(other, DataProto) or len(self) != len(other):
+            return False
+        names = self.keys()
+        return (
+            sorted(names) == sorted(other.keys())
+            and all(values_equal(self[k], other[k]) for k in names)
+            and values_equal(self.meta_info, other.meta_info)
+        )
+
+    def __repr__(self) -> str:
+        items = self.batch.items() if self.batch is not None else []
+        shapes = {k: (tuple(v.shape), v.dtype) for k, v in items}
+        return (
+            f"DataProto(len={len(self)}, batch={shapes}, "
+            f"non_tensor_batch={list(self.non_tensor_batch)}, meta_info={list(self.meta_info)})"
+        )
+
+    def _derive(
+        self, batch: TensorDictBase | None, columns: dict[str, np.ndarray], meta: dict[str, Any]
+    ) -> DataProto:
+        """A new DataProto; keeps an empty batch so a column-less result still has its rows."""
+        if batch is None and not columns and self.batch is not None:
+            batch = TensorDict({}, batch_size=[len(self)])
+        return type(self)(batch=batch, non_tensor_batch=columns, meta_info=meta)
+
+    # ----------------------------------------------------------------- rows
+    def __getitem__(self, item: Any) -> Any:
+        """int -> one-row DataProto; slice / indices / bool mask -> DataProto; str -> column."""
+        if isinstance(item, str):
+            if self.batch is not None and item in self.batch:
+                return self.batch.get(item)
+            if item in self.non_tensor_batch:
+                return self.non_tensor_batch[item]
+            raise KeyError(f"no column {item!r}; columns are {self.keys()}")
+        if isinstance(item, (Tensor, np.ndarray)) and item.ndim == 0 and item.dtype != bool:
+            item = int(item.item())
+        if isinstance(item, (int, np.integer)) and not isinstance(item, bool):
+            i = int(normalize_index([int(item)], len(self))[0])
+            return self.slice(i, i + 1)
+        if isinstance(item, slice):
+            return self.slice(item.start, item.stop, item.step)
+        return self.select_idxs(item)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        """Set one column (tensor -> batch, anything else -> non_tensor_batch)."""
+        self.update({key: value})
+
+    def _take(self, idx: np.ndarray) -> DataProto:
+        batch = (
+            None
+            if self.batch is None
+            else self.batch[torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int64))]
+        )
+        columns = {k: v[idx] for k, v in self.non_tensor_batch.items()}
+        return self._derive(batch, columns, dict(self.meta_info))
+
+    def select_idxs(self, idxs: Any) -> DataProto:
+        """Rows at ``idxs`` (ints, negatives allowed, or a bool mask of length ``len(self)``)."""
+        return self._take(normalize_index(idxs, len(self)))
+
+    def slice(self, start: int | None = None, end: int | None = None, step: int | None = None):
+        """Rows ``start:end:step``; with a positive step they are views sharing storage."""
+        if step is not None and step <= 0:
+            if step == 0:
+                raise ValueError("slice step must not be zero")
+            return self._take(np.arange(len(self))[start:end:step])
+        s = slice(start, end, step)
+        batch = None if self.batch is None else self.batch[s]
+        columns = {k: v[s] for k, v in self.non_tensor_batch.items()}
+        return self._derive(batch, columns, dict(self.meta_info))
+
+    def reorder(self, indices: Any) -> None:
+        """Permute the rows in place (as verl); ``indices`` must be a permutation of the rows."""
+        idx = normalize_index(indices, len(self))
+        if len(idx) != len(self) or len(np.unique(idx)) != len(self):
+            raise ValueError(
+                f"reorder needs a permutation of all {len(self)} rows, got {len(idx)} indices "
+                f"with {len(np.unique(idx))} distinct; use select_idxs to pick or repeat rows"
+            )
+        taken = self._take(idx)
+        self.batch, self.non_tensor_batch = taken.batch, taken.non_tensor_batch
+
+    def repeat(self, repeat_times: int = 2, interleave: bool = True) -> DataProto:
+        """Each row ``repeat_times`` times: ``aabb`` when interleaved, else ``abab``."""
+        times = check_count(repeat_times, "repeat_times")
+        rows = np.arange(len(self))
+        return self._take(np.repeat(rows, times) if interleave else np.tile(rows, times))
+
+    def sample_level_repeat(self, repeat_times: Sequence[int] | np.ndarray | Tensor) -> DataProto:
+        """Row ``i`` repeated ``repeat_times[i]`` times (0 drops it), in row order."""
+        raw = repeat_times.cpu().numpy() if isinstance(repeat_times, Tensor) else repeat_times
+        counts = np.asarray(raw) if len(raw) else np.zeros(0, dtype=np.int64)
+        if counts.ndim != 1 or len(counts) != len(self):
+            raise ValueError(
+                f"sample_level_repeat needs one count per row: got {counts.size} counts for "
+                f"{len(self)} rows"
+            )
+        if len(counts) and (not np.issubdtype(counts.dtype, np.integer) or counts.min() < 0):
+            raise ValueError(f"repeat counts must be non-negative ints, got {short_repr(counts)}")
+        return self._take(np.repeat(np.arange(len(self)), counts.astype(np.int64)))
+
+    # ----------------------------------------------------------------- columns
+    def _check_keys(self, bkeys: list[str], nkeys: list[str], mkeys: list[str]) -> None:
+        batch_keys = list(self.batch.keys()) if self.batch is not None else []
+        for kind, keys, have in (
+            ("batch", bkeys, batch_keys),
+            ("non_tensor_batch", nkeys, list(self.non_tensor_batch)),
+            ("meta_info", mkeys, list(self.meta_info)),
+        ):
+            for key in keys:
+                if key not in have:
+                    raise KeyError(f"{kind} key {key!r} not found; {kind} keys are {have}")
+
+    def select(
+        self,
+        batch_keys: KeysArg = None,
+        non_tensor_batch_keys: KeysArg = None,
+        meta_info_keys: KeysArg = None,
+        deepcopy: bool = False,
+    ) -> DataProto:
+        """Only the named columns and meta_info keys (None = all of that kind); tensors are
+        shared with ``self`` unless ``deepcopy``."""
+        bkeys = keys_arg(batch_keys, "batch_keys")
+        nkeys = keys_arg(non_tensor_batch_keys, "non_tensor_batch_keys")
+        mkeys = keys_arg(meta_info_keys, "meta_info_keys")
+        self._check_keys(bkeys or [], nkeys or [], mkeys or [])
+        batch = self.batch
+        if batch is not None:
+            batch = batch.select(*bkeys) if bkeys is not None else batch.copy()
+        columns = self.non_tensor_batch
+        columns = {k: columns[k] for k in nkeys} if nkeys is not None else dict(columns)
+        meta = self.meta_info
+        meta = {k: meta[k] for k in mkeys} if mkeys is not None else dict(meta)
+        if deepcopy:
+            batch = batch.clone() if batch is not None else None
+            columns, meta = copy.deepcopy(columns), copy.deepcopy(meta)
+        return self._derive(batch, columns, meta)
+
+    def pop(
+        self,
+        batch_keys: KeysArg = None,
+        non_tensor_batch_keys: KeysArg = None,
+        meta_info_keys: KeysArg = None,
+    ) -> DataProto:
+        """Remove the named columns / meta_info keys and return them (None = none, as verl)."""
+        bkeys = keys_arg(batch_keys, "batch_keys") or []
+        nkeys = keys_arg(non_tensor_batch_keys, "non_tensor_batch_keys") or []
+        mkeys = keys_arg(meta_info_keys, "meta_info_keys") or []
+        self._check_keys(bkeys, nkeys, mkeys)
+        n = len(self)
+        popped = TensorDict({k: self.batch.pop(k) for k in bkeys}, batch_size=[n])  # type: ignore[union-attr]
+        columns = {k: self.non_tensor_batch.pop(k) for k in nkeys}
+        meta = {k: self.meta_info.pop(k) for k in mkeys}
+        if self.batch is None and not self.non_tensor_batch and n:
+            self.batch = TensorDict({}, batch_size=[n])  # keep the row count
+        return type(self)(batch=popped, non_tensor_batch=columns, meta_info=meta)
+
+    def rename(self, old_keys: KeysArg = None, new_keys: KeysArg = None) -> DataProto:
+        """Rename columns in place (in batch or non_tensor_batch, wherever each lives)."""
+        old = keys_arg(old_keys, "old_keys") or []
+        new = keys_arg(new_keys, "new_keys") or []
+        if len(old) != len(new):
+            raise ValueError(f"rename got {len(old)} old_keys but {len(new)} new_keys")
+        for o, nk in zip(old, new, strict=True):
+            if o not in self:
+                raise KeyError(f"cannot rename {o!r}: no such column; columns are {self.keys()}")
+            if nk != o and nk in self:
+                raise ValueError(f"cannot rename {o!r} to {nk!r}: {nk!r} exists; pop it first")
+        for o, nk in zip(old, new, strict=True):
+            if o in self.non_tensor_batch:
+                self.non_tensor_batch[nk] = self.non_tensor_batch.pop(o)
+            elif o != nk and self.batch is not None:
+                self.batch.rename_key_(o, nk)
+        return self
+
+    def _check_rows(self, other_len: int, op: str) -> None:
+        if self.keys() and other_len != len(self):
+            raise ValueError(
+                f"{op} needs equal row counts: this DataProto has {len(self)} rows, the other "
+                f"{other_len}"
+            )
+
+    def union(self, other: DataProto) -> DataProto:
+        """Add ``other``'s columns and meta_info in place; shared keys must hold equal values."""
+        if not isinstance(other, DataProto):
+            raise ValueError(f"union needs a DataProto, got {type(other).__name__}")
+        self._check_rows(len(other), "union")
+        other_keys = other.keys()
+        check_union({k: self[k] for k in self.keys()}, {k: other[k] for k in other_keys}, "column")
+        check_union(self.meta_info, other.meta_info, "meta_info key")
+        self.update({k: other[k] for k in other_keys if k not in self})
+        for key, value in other.meta_info.items():
+            self.meta_info.setdefault(key, value)
+        return self
+
+    def update(self, other: DataProto | Mapping[str, Any]) -> DataProto:
+        """Set columns in place, overwriting (tensor -> batch, else non-tensor); a DataProto
+        also overwrites meta_info keys. Returns self."""
+        if isinstance(other, DataProto):
+            self._check_rows(len(other), "update")
+            self.update({k: other[k] for k in list(other.keys())})
+            self.meta_info.update(other.meta_info)
+            return self
+        values, n = coerce_columns(other, len(self) if self.keys() else None)
+        for key, value in values.items():
+            if isinstance(value, np.ndarray):
+                if self.batch is not None and key in self.batch:
+                    del self.batch[key]
+                self.non_tensor_batch[key] = value
+            else:
+                self.non_tensor_batch.pop(key, None)
+                if self.batch is None:
+                    self.batch = TensorDict({}, batch_size=[n or 0])
+                self.batch.set(key, value)
+        self.check_consistency()
+        return self
+
+    # ----------------------------------------------------------------- many at once
+    @classmethod
+    def concat(cls, data: Sequence[DataProto]) -> DataProto:
+        """Rows of all parts in order; keys must match; ``meta_info['metrics']`` is merged
+        into lists, any other meta_info key must agree."""
+        parts = list(data)
+        if not parts:
+            raise ValueError("concat needs at least one DataProto, got an empty list")
+        for i, part in enumerate(parts):
+            if not isinstance(part, DataProto):
+                raise ValueError(f"concat part {i} is a {type(part).__name__}, not a DataProto")
+        check_same_columns([(p.batch, p.non_tensor_batch) for p in parts])
+        columns = {
+            k: np.concatenate([p.non_tensor_batch[k] for p in parts])
+            for k in parts[0].non_tensor_batch
+        }
+        batch = None
+        if any(p.batch is not None for p in parts):
+            tds = [p.batch if p.batch is not None else TensorDict({}, [len(p)]) for p in parts]
+            batch = TensorDict.cat(tds, dim=0)
+        return cls(batch, columns, merge_meta_info([p.meta_info for p in parts]))
+
+    def chunk(self, chunks: int) -> list[DataProto]:
+        """``chunks`` consecutive pieces sized as ``numpy.array_split`` does (views of self)."""
+        bounds = np.cumsum([0, *chunk_sizes(len(self), chunks)]).tolist()
+        return [self.slice(a, b) for a, b in itertools.pairwise(bounds)]
+
+    def split(self, split_size: int) -> list[DataProto]:
+        """Consecutive pieces of ``split_size`` rows (the last may be shorter)."""
+        size = check_count(split_size, "split_size")
+        return [self.slice(i, i + size) for i in range(0, len(self), size)] or [self.slice(0, 0)]
+
+    def group_by(self, keys: str | Sequence[str]) -> dict[Any, DataProto]:
+        """Rows grouped by the value of one column (a tuple for several), first-seen order."""
+        names = keys_arg(keys, "group_by keys") or []
+        if not names:
+            raise ValueError("group_by needs at least one key")
+        cols: dict[str, Sequence[Any]] = {}
+        for key in names:
+            if key not in self:
+                raise KeyError(f"group_by key {key!r} not found; columns are {self.keys()}")
+            col = self[key]
+            cols[key] = col.tolist() if isinstance(col, Tensor) else col
+        groups = group_indices(cols, len(self))
+        return {g: self._take(np.asarray(rows, dtype=np.int64)) for g, rows in groups.items()}
+
+    def iter_minibatches(
+        self,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        epochs: int = 1,
+        drop_last: bool = False,
+    ) -> Iterator[DataProto]:
+        """Minibatches over ``epochs`` passes; the shuffle of epoch ``e`` is seeded with
+        ``derive_seed(seed, e)``, so the order depends on ``seed`` only."""
+        size = check_count(batch_size, "batch_size")
+        epochs = check_count(epochs, "epochs")
+        if drop_last and size > len(self):
+            raise ValueError(
+                f"batch_size={size} is larger than the {len(self)} rows, so drop_last=True "
+                "would yield nothing; lower batch_size or set drop_last=False"
+            )
+        derive_seed(seed)  # validate now, not at the first next()
+        orders = minibatch_orders(len(self), size, shuffle, seed, epochs, drop_last)
+        return (self._take(order) for order in orders)
+
+    # ----------------------------------------------------------------- copies, devices, disk
+    def to(self, device: torch.device | str) -> DataProto:
+        """Move the tensors to ``device`` in place (as verl); returns self."""
+        if self.batch is not None:
+            self.batch = self.batch.to(device)
+        return self
+
+    def clone(self) -> DataProto:
+        """A deep copy sharing no storage or objects with ``self``."""
+        batch = self.batch.clone() if self.batch is not None else None
+        return type(self)(
+            batch, copy.deepcopy(self.non_tensor_batch), copy.deepcopy(self.meta_info)
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle the tensors as one consolidated buffer (one storage, copied once)."""
+        batch = self.batch.consolidate() if self.batch is not None else None
+        return {
+            "batch": batch,
+            "non_tensor_batch": self.non_tensor_batch,
+            "meta_info": self.meta_info,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.batch = state["batch"]
+        self.non_tensor_batch = state["non_tensor_batch"]
+        self.meta_info = state["meta_info"]
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write to ``path`` (``torch.save`` of the consolidated DataProto)."""
+        torch.save(self, path)
+
+    @classmethod
+    def load(
+        cls, path: str | os.PathLike[str], map_location: torch.device | str | None = None
+    ) -> DataProto:
+        """Read a DataProto written by ``save``."""
+        obj = torch.load(path, map_location=map_location, weights_only=False)
+        if not isinstance(obj, DataProto):
+            raise ValueError(f"{os.fspath(path)!r} holds a {type(obj).__name__}, not a DataProto")
+        return obj
