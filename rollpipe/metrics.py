@@ -12,7 +12,16 @@ import numpy as np
 
 from rollpipe.trajectory import Trajectory
 
-DROP_KINDS = ("filtered", "stale", "errored", "errored_trajectories", "redundant", "incomplete")
+DROP_KINDS = (
+    "filtered",
+    "stale",
+    "errored",
+    "errored_trajectories",
+    "empty",
+    "empty_trajectories",
+    "redundant",
+    "incomplete",
+)
 
 
 def _stats(prefix: str, values: np.ndarray) -> dict[str, float]:

@@ -75,7 +75,9 @@ class PipelineConfig:
     ``envs`` takes an env name, an :class:`EnvChoice`, or a list mixing several by
     weight (YAML: ``[{name: sokoban, weight: 1, config: {dim_room: [6, 6]}}]``).
     ``batch_size`` counts trajectories and must be a multiple of ``group_size``.
-    ``num_groups=None`` runs forever.
+    ``num_groups=None`` runs forever. ``in_order=None`` (auto) yields trajectories in
+    admission order — reproducible — unless ``redundancy`` is set, where completion
+    order lets the first finishers of a group win.
     """
 
     envs: tuple[EnvChoice, ...] = attrs.field(default=("frozenlake",), converter=_envs)
@@ -101,7 +103,7 @@ class PipelineConfig:
         default=None, validator=attrs.validators.optional(attrs.validators.in_(tuple(FILTERS)))
     )
     max_staleness: int | None = None
-    in_order: bool = True
+    in_order: bool | None = None
     raise_env_errors: bool = False
     on_length: Literal["skip", "step", "end"] = "skip"
 
@@ -190,7 +192,7 @@ def build_nodes(
         max_length=config.max_length,
         concurrency=config.concurrency,
         env_workers=config.env_workers,
-        in_order=config.in_order,
+        in_order=config.redundancy == 0 if config.in_order is None else config.in_order,
         control=control,
         raise_env_errors=config.raise_env_errors,
         on_length=config.on_length,

@@ -166,3 +166,22 @@ def test_bad_arguments_name_the_field():
         GroupAssembler(IterableWrapper([]), 2, max_staleness=1)
     with pytest.raises(ValueError, match="unknown name 'nope'"):
         GroupAssembler(IterableWrapper([]), 2, filter="nope")
+
+
+def test_trajectories_without_turns_fail_their_group():
+    from rollpipe.trajectory import Trajectory
+
+    empty = Trajectory(
+        spec=make_trajectory(0, 1).spec,
+        env_id=0,
+        turns=(),
+        score=0.0,
+        success=False,
+        end_reason="max_length",
+    )
+    trajs = [make_trajectory(0, 0), empty, make_trajectory(1, 2), make_trajectory(1, 3)]
+    control = RolloutControl()
+    groups = list(GroupAssembler(IterableWrapper(trajs), 2, control=control))
+    assert [g.group_id for g in groups] == [1]
+    assert groups[0].drops == {"empty_trajectories": 1, "empty": 1}
+    assert control.replacements_pending == 1

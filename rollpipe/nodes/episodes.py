@@ -39,6 +39,15 @@ class EnvChoice:
         return self.tag or self.name
 
 
+def _frozen(value: Any) -> Any:
+    """Lists and dicts from YAML made hashable (tuples), so specs can key env pools."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, Mapping):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    return value
+
+
 def as_env_choices(envs: str | EnvChoice | Sequence[str | EnvChoice]) -> tuple[EnvChoice, ...]:
     """Normalise ``"frozenlake"``, an EnvChoice, or a list of either."""
     items = [envs] if isinstance(envs, (str, EnvChoice)) else list(envs)
@@ -126,7 +135,7 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
             episode_id=group_id * self.members_per_group + member,
             seed=derive_seed(self.seed, group_id),
             env=env.name,
-            env_config=tuple(sorted(env.config.items())),
+            env_config=tuple(sorted((k, _frozen(v)) for k, v in env.config.items())),
             tag=env.label,
         )
 

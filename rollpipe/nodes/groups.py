@@ -57,8 +57,10 @@ class GroupAssembler(BaseNode[Group]):
         control: shared control; cancels redundant members and requests replacements.
 
     Each yielded group carries ``drops``: the counts of what was dropped since the
-    previous yielded group (``filtered``, ``stale``, ``errored`` groups,
-    ``errored_trajectories``, ``redundant`` late members, ``incomplete`` at end of stream).
+    previous yielded group (``filtered``, ``stale``, ``errored``, ``empty`` groups;
+    ``errored_trajectories`` (the env raised) and ``empty_trajectories`` (the first prompt
+    exceeded ``max_length``, so no turn ran); ``redundant`` late members; ``incomplete``
+    groups at the end of the stream).
     """
 
     def __init__(
@@ -155,11 +157,13 @@ class GroupAssembler(BaseNode[Group]):
         if gid in self._closed:
             self._drop("redundant")
             return None
-        if traj.end_reason == "error":
-            self._drop("errored_trajectories")
+        if traj.end_reason == "error" or not traj.turns:
+            # an env error, or no turn at all (first prompt over max_length): no row to train on
+            failure = "errored" if traj.end_reason == "error" else "empty"
+            self._drop(f"{failure}_trajectories")
             self._errors[gid] += 1
             if self._errors[gid] > self.redundancy:
-                self._close(gid, "errored")
+                self._close(gid, failure)
             return None
         members = self._members.setdefault(gid, [])
         members.append(traj)
