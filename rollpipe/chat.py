@@ -1,0 +1,174 @@
+"""ChatFormat: turn observations into the prompt token ids an engine receives.
+
+Two modes:
+
+* conversation (``history_window=None``): turn 0 renders system message and
+  instruction + observation as a user turn with the tokenizer's chat template, ending
+  in the generation prompt. Each later turn *appends* a continuation after the model's
+  response: the end-of-turn token (only if the response did not already end with it),
+  the new observation as a user turn and the generation prompt. The continuation is
+  cut out of a template rendering, so the concatenation is what the template would
+  render for the whole conversation, while the model's tokens are never re-tokenized.
+* window (``history_window=k``, GiGPO style): every turn's prompt is rendered afresh
+  from the last ``k`` (observation, action, reward) entries and the current
+  observation, so a prompt's size is bounded whatever the episode length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from rollpipe.trajectory import Turn
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are an agent acting in a text game. Think briefly, then give your action "
+    "in the requested answer format."
+)
+_SENTINEL = "XQZSENTINELZQX"
+
+
+def _window(instance: Any, attribute: attrs.Attribute, value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(
+            f"ChatFormat.history_window must be None (whole conversation) or an int >= 0, "
+            f"got {value!r}"
+        )
+
+
+@attrs.frozen
+class ChatFormat:
+    """Renders prompts with ``tokenizer``'s chat template; see the module docstring.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a chat template.
+        system_prompt: the system message; ``None`` leaves it to the template.
+        instruction: text put before the first observation (window mode: before the
+            history) in the user turn; empty by default since the envs' observations
+            already state the task and answer format.
+        history_window: ``None`` for one growing conversation, ``k`` for step prompts
+            showing the last ``k`` turns.
+        task_header / history_header / history_entry / current_header: window-mode
+            text pieces. After turn 0 the prompt repeats the first observation (it
+            states the task) under ``task_header``; ``history_entry`` gets ``step``,
+            ``observation``, ``action``, ``reward``; ``current_header`` gets ``step``.
+    """
+
+    tokenizer: Any = attrs.field(eq=False, repr=False)
+    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT
+    instruction: str = ""
+    history_window: int | None = attrs.field(default=None, validator=_window)
+    history_header: str = "Your most recent steps (oldest first):"
+    history_entry: str = (
+        "Step {step}. Observation:\n{observation}\nYour answer: {action}\nReward: {reward:g}"
+    )
+    current_header: str = "Step {step}. Current observation:"
+    task_header: str = "The task, as first shown:"
+    _eot_id: int | None = attrs.field(init=False, eq=False, repr=False, default=None)
+
+    def __attrs_post_init__(self) -> None:
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError(
+                "ChatFormat.tokenizer has no chat_template; use a chat model's tokenizer "
+                "or set tokenizer.chat_template"
+            )
+        first = self._suffix_ids("x")[0]
+        special = set(self.tokenizer.all_special_ids)
+        object.__setattr__(self, "_eot_id", first if first in special else None)
+
+    # -- rendering --------------------------------------------------------------------
+    def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
+        if not isinstance(text, str):
+            raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text)}")
+        return text
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _system(self) -> list[dict[str, str]]:
+        return (
+            []
+            if self.system_prompt is None
+            else [{"role": "system", "content": self.system_prompt}]
+        )
+
+    def _suffix_ids(self, observation: str) -> list[int]:
+        """Template text after an assistant message's content, up to the next generation
+        prompt, with ``observation`` as the user turn in between."""
+        messages = [
+            *self._system(),
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": _SENTINEL},
+            {"role": "user", "content": observation},
+        ]
+        text = self._render(messages, generation_prompt=True)
+        cut = text.rfind(_SENTINEL)
+        if cut < 0:
+            raise ValueError("the chat template dropped the assistant message content")
+        return self._encode(text[cut + len(_SENTINEL) :])
+
+    @property
+    def eot_id(self) -> int | None:
+        """The special token that ends an assistant turn in the template (e.g.
+        ``<|im_end|>``); ``None`` if the template puts no special token there."""
+        return self._eot_id
+
+    def user_content(self, observation: str) -> str:
+        """The first user message: instruction (if any) then the observation."""
+        return f"{self.instruction}\n\n{observation}" if self.instruction else observation
+
+    def first_prompt(self, observation: str) -> list[int]:
+        """Turn 0's prompt ids: system, user (instruction + observation), generation prompt."""
+        messages = [*self._system(), {"role": "user", "content": self.user_content(observation)}]
+        return self._encode(self._render(messages, generation_prompt=True))
+
+    def continuation(self, observation: str, response_ids: Sequence[int]) -> list[int]:
+        """Ids appended after ``response_ids`` so the conversation goes on with
+        ``observation``: end of turn (added when the response lacks it, e.g. cut at
+        ``max_tokens``), the user turn, the generation prompt."""
+        ids = self._suffix_ids(observation)
+        if self._eot_id is not None and len(response_ids) > 0 and response_ids[-1] == self._eot_id:
+            return ids[1:]
+        return ids
+
+    def window_prompt(self, observation: str, history: Sequence[Turn]) -> list[int]:
+        """A step prompt: the task (first observation), the last ``history_window`` turns
+        of ``history``, then the current ``observation``."""
+        k = self.history_window or 0
+        step = len(history)
+        recent = history[max(0, step - k) :] if k else []
+        parts = [self.instruction] if self.instruction else []
+        if len(recent) < step:  # turn 0 (which states the task) fell out of the window
+            parts.append(f"{self.task_header}\n{history[0].observation}")
+        if recent:
+            first = step - len(recent)
+            entries = [
+                self.history_entry.format(
+                    step=first + i,
+                    observation=t.observation,
+                    action=t.action_text,
+                    reward=t.reward,
+                )
+                for i, t in enumerate(recent)
+            ]
+            parts.append("\n\n".join([self.history_header, *entries]))
+        parts.append(f"{self.current_header.format(step=step)}\n{observation}")
+        messages = [*self._system(), {"role": "user", "content": "\n\n".join(parts)}]
+        return self._encode(self._render(messages, generation_prompt=True))
+
+    def turn_prompt(self, observation: str, history: Sequence[Turn]) -> list[int]:
+        """The ids a new turn adds (conversation mode) or its whole prompt (window mode)."""
+        if self.history_window is not None:
+            return self.window_prompt(observation, history)
+        if not history:
+            return self.first_prompt(observation)
+        return self.continuation(observation, history[-1].response_ids)
+
+    def decode(self, response_ids: Sequence[int]) -> str:
+        """The action text of a response: its tokens decoded without special tokens."""
+        return str(self.tokenizer.decode(list(response_ids), skip_special_tokens=True))

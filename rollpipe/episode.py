@@ -1,0 +1,222 @@
+"""run_episode: one episode as a coroutine — reset, then (prompt -> engine -> step) turns.
+
+Many episodes run concurrently on one event loop; their requests reach the engine
+together and its continuous batching does the batching. Blocking env calls run in an
+executor; ``AsyncTextEnv`` methods are awaited directly.
+
+Outcomes, each defined (never a hang):
+
+* env says terminated / truncated -> ``end_reason`` of the same name;
+* ``max_turns`` turns taken -> ``"max_turns"``;
+* the next prompt leaves no room to generate within ``max_length`` (also at turn 0,
+  giving a trajectory with no turns) -> ``"max_length"``;
+* the env raises -> ``"error"`` with the exception's repr (or re-raised with
+  ``raise_env_errors=True``); engine errors always propagate;
+* a response cut at ``max_tokens`` (finish_reason ``"length"``): ``on_length="skip"``
+  (default) does not hand the partial text to the env — the turn gets
+  ``length_penalty`` and the episode continues from the same observation;
+  ``"step"`` hands it to the env anyway; ``"end"`` penalizes it and ends the episode
+  with ``"max_length"``;
+* finish_reason ``"abort"`` (engine paused with ``mode="abort"``): the partial
+  response is discarded and the same turn is regenerated once ``admit()`` lets it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import inspect
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
+
+from rollpipe.chat import ChatFormat
+from rollpipe.engines.base import Engine, EngineError, Generation, SamplingParams
+from rollpipe.seeding import derive_seed
+from rollpipe.trajectory import EndReason, EpisodeSpec, Trajectory, Turn
+
+OnLength = Literal["skip", "step", "end"]
+_ON_LENGTH = ("skip", "step", "end")
+
+
+class _EnvFailed(Exception):
+    """Internal: wraps an exception raised by the env."""
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.env = 0.0
+        self.engine = 0.0
+
+
+async def _env_call(
+    fn: Callable[..., Any],
+    executor: concurrent.futures.Executor | None,
+    clock: _Clock,
+    *args: Any,
+) -> Any:
+    start = time.perf_counter()
+    try:
+        if inspect.iscoroutinefunction(fn):
+            return await fn(*args)
+        call = functools.partial(fn, *args)
+        result = await asyncio.get_running_loop().run_in_executor(executor, call)
+        return await result if inspect.isawaitable(result) else result
+    except Exception as exc:  # the env's failure, whatever it is
+        raise _EnvFailed(repr(exc)) from exc
+    finally:
+        clock.env += time.perf_counter() - start
+
+
+async def _generate(
+    engine: Engine,
+    prompt: list[int],
+    params: SamplingParams,
+    admit: Callable[[], Awaitable[None]] | None,
+    max_aborts: int,
+    clock: _Clock,
+) -> Generation:
+    aborts = 0
+    while True:
+        if admit is not None:
+            await admit()
+        start = time.perf_counter()
+        gen = await engine.generate(prompt, params)
+        clock.engine += time.perf_counter() - start
+        if gen.finish_reason != "abort":
+            return gen
+        aborts += 1
+        if aborts > max_aborts:
+            raise EngineError(
+                f"engine aborted the same request {aborts} times in a row; raise max_aborts "
+                "or check why the engine keeps aborting (paused with mode='abort'?)"
+            )
+        if admit is None:  # no gate: wait for the engine itself to be resumed
+            while engine.is_paused:
+                await asyncio.sleep(0.005)
+
+
+def _turn(
+    prompt_ids: list[int], gen: Generation, text: str, observation: str, version: int
+) -> dict[str, Any]:
+    n = len(gen.token_ids)
+    return {
+        "prompt_ids": prompt_ids,
+        "response_ids": gen.token_ids,
+        # engines asked for no logprobs return none: record 0.0 (documented)
+        "logprobs": gen.logprobs if len(gen.logprobs) == n else (0.0,) * n,
+        "versions": gen.versions if len(gen.versions) == n else (version,) * n,
+        "finish_reason": gen.finish_reason,
+        "action_text": text,
+        "observation": observation,
+    }
+
+
+async def run_episode(
+    spec: EpisodeSpec,
+    env: Any,
+    engine: Engine,
+    chat: ChatFormat,
+    *,
+    sampling: SamplingParams,
+    max_turns: int,
+    max_length: int,
+    env_id: int = 0,
+    admit: Callable[[], Awaitable[None]] | None = None,
+    env_executor: concurrent.futures.Executor | None = None,
+    raise_env_errors: bool = False,
+    on_length: OnLength = "skip",
+    length_penalty: float = -0.1,
+    max_aborts: int = 1000,
+) -> Trajectory:
+    """Run one episode of ``env`` (a TextEnv or AsyncTextEnv) with ``engine``; see module doc.
+
+    ``env.reset(spec.seed)`` starts it (group members share the seed, hence the start
+    state); turn ``t`` samples with seed ``derive_seed(spec.seed, spec.episode_id, t)``.
+    ``max_length`` is the token budget: of the whole conversation, or of each step
+    prompt + response in window mode; each turn's ``max_tokens`` is
+    ``min(sampling.max_tokens, budget left)``; the template's end-of-turn token is added
+    to ``stop_token_ids`` (unless ``ignore_eos``). ``admit()`` is awaited before every
+    engine request. Engines that return no logprobs get 0.0 per token. The env is not
+    closed (the caller owns it).
+    """
+    if max_turns < 1:
+        raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    if max_length < 2:
+        raise ValueError(f"max_length must be >= 2 tokens, got {max_length}")
+    if on_length not in _ON_LENGTH:
+        raise ValueError(f"on_length must be one of {_ON_LENGTH}, got {on_length!r}")
+    clock = _Clock()
+    turns: list[Turn] = []
+    context: list[int] = []  # conversation mode: every id the engine has seen or produced
+    windowed = chat.history_window is not None
+    stop_ids = tuple(sampling.stop_token_ids)
+    if chat.eot_id is not None and chat.eot_id not in stop_ids and not sampling.ignore_eos:
+        stop_ids = (*stop_ids, chat.eot_id)
+    end_reason: EndReason = "max_turns"
+    error: str | None = None
+    success = False
+    observation = ""
+
+    def done(reason: EndReason, err: str | None = None) -> Trajectory:
+        return Trajectory(
+            spec=spec,
+            env_id=env_id,
+            turns=tuple(turns),
+            score=sum(t.reward for t in turns),
+            success=success,
+            end_reason=reason,
+            error=err,
+            env_time_s=clock.env,
+            engine_time_s=clock.engine,
+            final_observation=observation,
+            history_window=chat.history_window,
+        )
+
+    try:
+        observation, info = await _env_call(env.reset, env_executor, clock, spec.seed)
+        success = bool(info.get("success", False))
+        for t in range(max_turns):
+            added = chat.turn_prompt(observation, turns)
+            prompt = added if windowed else [*context, *added]
+            budget = max_length - len(prompt)
+            if budget < 1:
+                end_reason = "max_length"
+                break
+            params = sampling.replace(
+                max_tokens=min(sampling.max_tokens, budget),
+                seed=derive_seed(spec.seed, spec.episode_id, t),
+                stop_token_ids=stop_ids,
+            )
+            version = engine.version
+            gen = await _generate(engine, prompt, params, admit, max_aborts, clock)
+            fields = _turn(added, gen, chat.decode(gen.token_ids), observation, version)
+            if not windowed:
+                context = [*prompt, *gen.token_ids]
+            if gen.finish_reason == "length" and on_length != "step":
+                turns.append(
+                    Turn(**fields, reward=length_penalty, action_valid=False, stepped=False)
+                )
+                if on_length == "end":
+                    end_reason = "max_length"
+                    break
+                continue
+            try:
+                step = await _env_call(env.step, env_executor, clock, fields["action_text"])
+            except _EnvFailed:
+                turns.append(Turn(**fields, reward=0.0, action_valid=False, stepped=False))
+                raise
+            observation, reward, terminated, truncated, info = step
+            turns.append(
+                Turn(**fields, reward=reward, action_valid=bool(info.get("action_valid", False)))
+            )
+            success = bool(info.get("success", False))
+            if terminated or truncated:
+                end_reason = "terminated" if terminated else "truncated"
+                break
+    except _EnvFailed as failed:
+        if raise_env_errors:
+            raise failed.__cause__ or failed from None
+        end_reason, error = "error", str(failed)
+    return done(end_reason, error)

@@ -1,0 +1,242 @@
+"""Trajectory records: what one episode sent to the engine, got back, and was rewarded.
+
+Token ids are kept exactly as the engine received and produced them, so the rows built
+from these records (``rollpipe.formulation``) never re-tokenize text. All records are
+frozen attrs classes: hashable (except ``Group.drops``), picklable, cheap to ship
+between processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+import attrs
+
+EndReason = Literal["terminated", "truncated", "max_turns", "max_length", "error"]
+END_REASONS: tuple[str, ...] = ("terminated", "truncated", "max_turns", "max_length", "error")
+FINISH_REASONS: tuple[str, ...] = ("stop", "length")
+
+
+def _non_negative_int(instance: Any, attribute: attrs.Attribute, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"{type(instance).__name__}.{attribute.name} must be a non-negative int, got {value!r}"
+        )
+
+
+def _env_config(
+    value: Mapping[str, Any] | Iterable[tuple[str, Any]],
+) -> tuple[tuple[str, Any], ...]:
+    """Normalise a mapping or pairs into a key-sorted tuple of pairs (hashable, stable)."""
+    items = value.items() if isinstance(value, Mapping) else value
+    pairs = tuple((str(k), v) for k, v in items)
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"EpisodeSpec.env_config has duplicate keys: {keys}")
+    return tuple(sorted(pairs, key=lambda kv: kv[0]))
+
+
+@attrs.frozen
+class EpisodeSpec:
+    """What to run: the group, the episode's unique id, the env seed and which env.
+
+    All members of a group share ``seed`` (same initial state); ``episode_id`` is
+    unique per trajectory and, with ``seed``, determines every sampling seed.
+    """
+
+    group_id: int = attrs.field(validator=_non_negative_int)
+    episode_id: int = attrs.field(validator=_non_negative_int)
+    seed: int = attrs.field(validator=_non_negative_int)
+    env: str = "frozenlake"
+    env_config: tuple[tuple[str, Any], ...] = attrs.field(default=(), converter=_env_config)
+    tag: str = ""
+
+    @property
+    def env_kwargs(self) -> dict[str, Any]:
+        """``env_config`` as keyword arguments for ``rollpipe.envs.make``."""
+        return dict(self.env_config)
+
+
+def _ints(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(int(v) for v in value)
+
+
+def _floats(value: Iterable[float]) -> tuple[float, ...]:
+    return tuple(float(v) for v in value)
+
+
+@attrs.frozen
+class Turn:
+    """One engine request and what followed it.
+
+    ``prompt_ids`` are the ids this turn *added* to the engine's prompt. In conversation
+    mode (``ChatFormat.history_window is None``) that is the whole first prompt at turn
+    0 and the continuation (end of the previous assistant turn, the new observation as
+    a user turn, the generation prompt) afterwards, so the engine's prompt at turn t is
+    every earlier turn's prompt and response ids plus this turn's ``prompt_ids``. In
+    window mode each turn's prompt is rendered afresh and ``prompt_ids`` is all of it.
+
+    ``action_text`` is the decoded response; it is what ``env.step`` received when
+    ``stepped`` is true. A response cut at ``max_tokens`` (``finish_reason ==
+    "length"``) is not stepped by default and ``reward`` is then the length penalty.
+    ``observation`` is the env observation this turn answered.
+    """
+
+    prompt_ids: tuple[int, ...] = attrs.field(converter=_ints)
+    response_ids: tuple[int, ...] = attrs.field(converter=_ints)
+    logprobs: tuple[float, ...] = attrs.field(converter=_floats)
+    versions: tuple[int, ...] = attrs.field(converter=_ints)
+    reward: float = attrs.field(converter=float)
+    finish_reason: str = attrs.field(validator=attrs.validators.in_(FINISH_REASONS))
+    action_valid: bool = attrs.field(converter=bool)
+    action_text: str
+    observation: str
+    stepped: bool = attrs.field(default=True, converter=bool)
+
+    def __attrs_post_init__(self) -> None:
+        n = len(self.response_ids)
+        for name in ("logprobs", "versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(
+                    f"Turn.{name} has {len(getattr(self, name))} entries but response_ids has "
+                    f"{n}; give one {name[:-1]} per generated token"
+                )
+
+    @property
+    def length_cut(self) -> bool:
+        """Whether the response stopped at ``max_tokens`` rather than at end of turn."""
+        return self.finish_reason == "length"
+
+
+def _turns(value: Iterable[Turn]) -> tuple[Turn, ...]:
+    return tuple(value)
+
+
+@attrs.frozen
+class Trajectory:
+    """One finished episode: its spec, turns, score and why it ended.
+
+    ``score`` is the sum of turn rewards (length penalties included). ``end_reason``:
+    ``terminated``/``truncated`` (the env said so), ``max_turns``, ``max_length`` (the
+    token budget left no room for another turn — possibly at turn 0, with no turns),
+    ``error`` (the env raised; ``error`` holds its repr). ``history_window`` is the
+    ``ChatFormat`` mode the prompts were built in (``None``: one growing conversation).
+    """
+
+    spec: EpisodeSpec
+    env_id: int = attrs.field(validator=_non_negative_int)
+    turns: tuple[Turn, ...] = attrs.field(converter=_turns)
+    score: float = attrs.field(converter=float)
+    success: bool = attrs.field(converter=bool)
+    end_reason: EndReason = attrs.field(validator=attrs.validators.in_(END_REASONS))
+    error: str | None = None
+    env_time_s: float = 0.0
+    engine_time_s: float = 0.0
+    final_observation: str = ""
+    history_window: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if (self.end_reason == "error") != (self.error is not None):
+            raise ValueError(
+                f"Trajectory.error must be set exactly when end_reason == 'error'; got "
+                f"end_reason={self.end_reason!r}, error={self.error!r}"
+            )
+
+    @property
+    def group_id(self) -> int:
+        return self.spec.group_id
+
+    @property
+    def episode_id(self) -> int:
+        return self.spec.episode_id
+
+    @property
+    def seed(self) -> int:
+        return self.spec.seed
+
+    @property
+    def tag(self) -> str:
+        """The spec's tag, else the env name."""
+        return self.spec.tag or self.spec.env
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.turns)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(t.response_ids) for t in self.turns)
+
+    @property
+    def min_version(self) -> int:
+        """Oldest policy version that generated a token here; -1 if none was generated."""
+        versions = [min(t.versions) for t in self.turns if t.versions]
+        return min(versions) if versions else -1
+
+    @property
+    def max_version(self) -> int:
+        """Newest policy version that generated a token here; -1 if none was generated."""
+        versions = [max(t.versions) for t in self.turns if t.versions]
+        return max(versions) if versions else -1
+
+    @property
+    def group_uid(self) -> str:
+        """Readable group id, e.g. ``"frozenlake/g12"`` (shared by the group's members)."""
+        return f"{self.tag}/g{self.group_id}"
+
+    @property
+    def traj_id(self) -> str:
+        """Readable trajectory id, e.g. ``"frozenlake/g12/e98"`` (unique per episode)."""
+        return f"{self.group_uid}/e{self.episode_id}"
+
+    @property
+    def initial_observation(self) -> str:
+        """The observation from ``env.reset`` (the final one if no turn was taken)."""
+        return self.turns[0].observation if self.turns else self.final_observation
+
+    @property
+    def step_scores(self) -> list[float]:
+        return [t.reward for t in self.turns]
+
+    @property
+    def num_length_cut(self) -> int:
+        return sum(t.length_cut for t in self.turns)
+
+
+def _trajectories(value: Iterable[Trajectory]) -> tuple[Trajectory, ...]:
+    return tuple(value)
+
+
+def _drops(value: Mapping[str, int]) -> dict[str, int]:
+    return {str(k): int(v) for k, v in dict(value).items()}
+
+
+@attrs.frozen
+class Group:
+    """The trajectories of one group id, plus counts of members dropped by reason."""
+
+    group_id: int = attrs.field(validator=_non_negative_int)
+    trajectories: tuple[Trajectory, ...] = attrs.field(converter=_trajectories)
+    drops: Mapping[str, int] = attrs.field(factory=dict, converter=_drops, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        wrong = [t.traj_id for t in self.trajectories if t.group_id != self.group_id]
+        if wrong:
+            raise ValueError(
+                f"Group {self.group_id} holds trajectories of other groups: {wrong}; "
+                "group trajectories by spec.group_id first"
+            )
+
+    def __len__(self) -> int:
+        return len(self.trajectories)
+
+    @property
+    def scores(self) -> list[float]:
+        return [t.score for t in self.trajectories]
+
+    @property
+    def min_version(self) -> int:
+        """Oldest policy version in the group (-1 if no token was generated)."""
+        versions = [t.min_version for t in self.trajectories if t.num_generated_tokens]
+        return min(versions) if versions else -1
