@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -103,11 +105,13 @@ def summary_row(index: int, metrics: dict[str, float]) -> list[str]:
         f"{metrics['turns/mean']:.2f}",
         f"{metrics['generated_tokens']:.0f}",
         f"{metrics['throughput/tokens_per_s']:.0f}",
-        f"{metrics['throughput/trajectories_per_s']:.2f}",
+        f"{metrics['time/wall_s']:.2f}",
     ]
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the summary readable
+    warnings.filterwarnings("ignore", category=FutureWarning)
     from torchdata.nodes import Mapper
     from transformers import AutoTokenizer
 
@@ -199,7 +203,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         f"{totals['turns'] / n:.2f}",
         f"{totals['tokens']:.0f}",
         f"{totals['tokens'] / wall:.0f}",
-        f"{totals['rows'] / wall:.2f}",
+        f"{wall:.2f}",
     )
     console.print(table)
     if args.out is not None:
@@ -217,7 +221,7 @@ def inspect(args: argparse.Namespace, console: Console) -> int:
     shapes = Table(title=f"{args.file}: {len(batch)} rows")
     for column in ("field", "kind", "shape / length", "dtype"):
         shapes.add_column(column)
-    for key, value in (batch.batch.items() if batch.batch is not None else []):
+    for key, value in batch.batch.items() if batch.batch is not None else []:
         shapes.add_row(
             key, "tensor", str(tuple(value.shape)), str(value.dtype).removeprefix("torch.")
         )

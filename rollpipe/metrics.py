@@ -38,8 +38,15 @@ def batch_metrics(
     trajectories: Sequence[Trajectory],
     drops: Mapping[str, int] | None = None,
     wall_time_s: float = 0.0,
+    stream_time_s: float = 0.0,
+    stream_tokens: int = 0,
 ) -> dict[str, float]:
-    """Score, success, turns, response lengths, throughput, time split and drop counts."""
+    """Score, success, turns, response lengths, throughput, time split and drop counts.
+
+    Throughput is the stream's sustained rate (tokens generated for yielded trajectories
+    since the stream started, over that time): a batch that was already complete when
+    the previous one was taken would otherwise show an absurd per-batch rate.
+    """
     drops = drops or {}
     scores = np.array([t.score for t in trajectories], dtype=np.float64)
     turns = np.array([len(t.turns) for t in trajectories], dtype=np.float64)
@@ -59,10 +66,8 @@ def batch_metrics(
         "time/wall_s": float(wall_time_s),
         "time/env_s": env_time,
         "time/engine_wait_s": engine_time,
-        "throughput/tokens_per_s": generated / wall_time_s if wall_time_s > 0 else 0.0,
-        "throughput/trajectories_per_s": len(trajectories) / wall_time_s
-        if wall_time_s > 0
-        else 0.0,
+        "time/stream_s": float(stream_time_s),
+        "throughput/tokens_per_s": stream_tokens / stream_time_s if stream_time_s > 0 else 0.0,
     }
     for kind in DROP_KINDS:
         metrics[f"dropped/{kind}"] = float(drops.get(kind, 0))

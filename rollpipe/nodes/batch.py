@@ -19,11 +19,18 @@ from rollpipe.trajectory import Group, Trajectory
 
 @attrs.frozen
 class TrajectoryBatch:
-    """Whole groups making up one training batch, with drop counts and wall time."""
+    """Whole groups making up one training batch, with drop counts and timing.
+
+    ``wall_time_s`` is how long the consumer waited since the previous batch (small when
+    the next batch was already complete); ``stream_time_s`` and ``stream_tokens`` count
+    from the start of the stream, so their ratio is the sustained generation rate.
+    """
 
     groups: tuple[Group, ...]
     drops: dict[str, int] = attrs.field(factory=dict)
     wall_time_s: float = 0.0
+    stream_time_s: float = 0.0
+    stream_tokens: int = 0
 
     @property
     def trajectories(self) -> list[Trajectory]:
@@ -50,7 +57,8 @@ class Batch(BaseNode[TrajectoryBatch]):
         self.drop_last = drop_last
         self._check_size(num_trajectories)
         self._carry: list[Group] = []  # a group that did not fit, kept for the next batch
-        self._last_emit = time.perf_counter()
+        self._start = self._last_emit = time.perf_counter()
+        self._stream_tokens = 0
 
     @staticmethod
     def _check_size(n: int) -> None:
@@ -61,7 +69,8 @@ class Batch(BaseNode[TrajectoryBatch]):
         super().reset(initial_state)
         self.source.reset(None if initial_state is None else initial_state["source"])
         self._carry = [] if initial_state is None else list(initial_state["carry"])
-        self._last_emit = time.perf_counter()
+        self._start = self._last_emit = time.perf_counter()
+        self._stream_tokens = 0
 
     def get_state(self) -> dict[str, Any]:
         return {"source": self.source.state_dict(), "carry": list(self._carry)}
@@ -91,4 +100,11 @@ class Batch(BaseNode[TrajectoryBatch]):
             count += size
         now = time.perf_counter()
         wall, self._last_emit = now - self._last_emit, now
-        return TrajectoryBatch(groups=tuple(groups), drops=dict(drops), wall_time_s=wall)
+        self._stream_tokens += sum(t.num_generated_tokens for g in groups for t in g.trajectories)
+        return TrajectoryBatch(
+            groups=tuple(groups),
+            drops=dict(drops),
+            wall_time_s=wall,
+            stream_time_s=now - self._start,
+            stream_tokens=self._stream_tokens,
+        )
