@@ -225,3 +225,62 @@ def test_bad_configuration_names_the_field():
         PipelineConfig.from_dict({"colour": "red"})
     with pytest.raises(ValueError, match=r"sampling: unknown keys \['temp'\]"):
         PipelineConfig(sampling={"temp": 1.0})
+
+
+def test_step_level_rows(vllm_engine, tokenizer):
+    cfg = config(level="step", history_window=2, num_groups=2, max_turns=3)
+    with RolloutPipeline(cfg, vllm_engine, tokenizer) as pipe:
+        batch = pipe.get_batch()
+    td = batch.batch
+    # one row per turn: more rows than trajectories, each with its step index and state hash
+    assert len(batch) > 8
+    assert set(td["traj_id"].tolist()) == set(range(8))
+    assert td["step"].min().item() == 0 and td["step"].max().item() <= 2
+    assert (td["response_mask"].sum(-1) > 0).all()
+    first_steps = td["step"] == 0
+    for gid in set(td["traj_group_id"].tolist()):
+        hashes = td["state_hash"][first_steps & (td["traj_group_id"] == gid)]
+        assert len(set(hashes.tolist())) == 1  # same start state within a group
+
+
+def test_user_nodes_between_stages_and_stages_alone(vllm_engine, tokenizer):
+    from torchdata.nodes import Loader, Mapper
+
+    from rollpipe.nodes.episodes import EpisodeSource
+    from rollpipe.nodes.rollout import Rollout
+    from rollpipe.trajectory import Trajectory
+
+    seen = []
+
+    def reward_model(traj: Trajectory) -> Trajectory:
+        seen.append(traj.traj_id)
+        return traj
+
+    with RolloutPipeline(
+        config(num_groups=2),
+        vllm_engine,
+        tokenizer,
+        hooks={"rollout": lambda node: Mapper(node, reward_model)},
+    ) as pipe:
+        batch = pipe.get_batch()
+    assert sorted(seen) == sorted(batch.non_tensor_batch["traj_uid"])
+
+    rollout = Rollout(
+        EpisodeSource(1, 3, seed=1), vllm_engine, tokenizer, max_turns=1, sampling=config().sampling
+    )
+    trajectories = list(Loader(rollout))
+    rollout.close()
+    assert [t.episode_id for t in trajectories] == [0, 1, 2]
+    assert len({t.initial_observation for t in trajectories}) == 1
+
+
+def test_close_leaves_no_threads_behind(vllm_engine, tokenizer):
+    before = {t.ident for t in threading.enumerate()}
+    pipe = RolloutPipeline(config(num_groups=None, env_workers=3), vllm_engine, tokenizer)
+    pipe.get_batch()
+    pipe.close()
+    pipe.close()  # idempotent
+    leftover = [t.name for t in threading.enumerate() if t.ident not in before]
+    assert leftover == []
+    with pytest.raises(RuntimeError, match="closed"):
+        pipe.get_batch()
