@@ -24,7 +24,9 @@ class GuessNumber:
     def reset(self, seed: int):
         self.target = random.Random(seed).randint(1, 9)  # seeded: same seed, same game
         self.steps = 0
-        return "Guess my number from 1 to 9. Answer like <answer>5</answer>.", self._info(None, True)
+        return "Guess my number from 1 to 9. Answer like <answer>5</answer>.", self._info(
+            None, True
+        )
 
     def step(self, action_text: str):
         self.steps += 1
@@ -43,8 +45,12 @@ class GuessNumber:
 
     @staticmethod
     def _info(action, valid, success=False):
-        return {"action": action, "action_valid": valid, "success": success,
-                "format_penalty_applied": not valid}
+        return {
+            "action": action,
+            "action_valid": valid,
+            "success": success,
+            "format_penalty_applied": not valid,
+        }
 
 
 register("guess_number", GuessNumber, overwrite=True)
@@ -55,8 +61,13 @@ def main(engine=None):
     tokenizer = AutoTokenizer.from_pretrained(path)
     owned = engine is None
     engine = engine or VLLMEngine(path)
-    config = PipelineConfig(envs=[{"name": "guess_number", "config": {"max_steps": 3}}],
-                            group_size=2, batch_size=4, max_turns=3, sampling={"max_tokens": 16})
+    config = PipelineConfig(
+        envs=[{"name": "guess_number", "config": {"max_steps": 3}}],
+        group_size=2,
+        batch_size=4,
+        max_turns=3,
+        sampling={"max_tokens": 16},
+    )
     with RolloutPipeline(config, engine, tokenizer, owns_engine=owned) as pipe:
         batch = pipe.get_batch()
     print(batch.non_tensor_batch["tags"], batch.batch["episode_scores"])

@@ -20,16 +20,27 @@ from rollpipe import PipelineConfig, RolloutPipeline, VLLMEngine, default_model_
 from rollpipe.grpo import group_advantages, policy_loss, token_logprobs
 
 
-def main(steps: int = 10, batch_size: int = 16, group_size: int = 4, lr: float = 3e-4,
-         seed: int = 0, max_turns: int = 3, engine=None) -> list[dict[str, float]]:
+def main(
+    steps: int = 10,
+    batch_size: int = 16,
+    group_size: int = 4,
+    lr: float = 3e-4,
+    seed: int = 0,
+    max_turns: int = 3,
+    engine=None,
+) -> list[dict[str, float]]:
     torch.manual_seed(seed)
     path = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
     policy = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=lr)
     config = PipelineConfig(
-        envs="frozenlake", group_size=group_size, batch_size=batch_size, seed=seed,
-        max_turns=max_turns, sampling={"max_tokens": 24, "temperature": 1.0},
+        envs="frozenlake",
+        group_size=group_size,
+        batch_size=batch_size,
+        seed=seed,
+        max_turns=max_turns,
+        sampling={"max_tokens": 24, "temperature": 1.0},
     )
     owned = engine is None
     engine = engine or VLLMEngine(path, seed=seed)
@@ -45,11 +56,17 @@ def main(steps: int = 10, batch_size: int = 16, group_size: int = 4, lr: float =
             optimizer.step()
             with pipe.suspended():  # no new episodes or requests while the weights change
                 version = pipe.update_weights(policy)
-            record = {"step": step, "reward": scores.mean().item(), "loss": loss.item(),
-                      "version": version}
+            record = {
+                "step": step,
+                "reward": scores.mean().item(),
+                "loss": loss.item(),
+                "version": version,
+            }
             history.append(record)
-            print(f"step {step:3d}  reward {record['reward']:+.3f}  loss {record['loss']:+.4f}"
-                  f"  policy version {version}")
+            print(
+                f"step {step:3d}  reward {record['reward']:+.3f}  loss {record['loss']:+.4f}"
+                f"  policy version {version}"
+            )
     return history
 
 

@@ -22,9 +22,16 @@ def main(steps: int = 5, batch_size: int = 8, engine=None) -> list[float]:
     owned = engine is None
     engine = engine or VLLMEngine(path)
     scheduler = RolloutPipeline(
-        PipelineConfig(envs="frozenlake", group_size=4, batch_size=batch_size, max_turns=2,
-                       sampling={"max_tokens": 24}),
-        engine, tokenizer, owns_engine=owned,
+        PipelineConfig(
+            envs="frozenlake",
+            group_size=4,
+            batch_size=batch_size,
+            max_turns=2,
+            sampling={"max_tokens": 24},
+        ),
+        engine,
+        tokenizer,
+        owns_engine=owned,
     )
     rewards = []
     try:
@@ -32,7 +39,9 @@ def main(steps: int = 5, batch_size: int = 8, engine=None) -> list[float]:
             batch = scheduler.get_batch(batch_size)  # blocks until the batch is filled
             batch.meta_info["global_step"] = global_step
             scheduler.suspend()  # rollout stops admitting work; in-flight requests freeze
-            advantages = group_advantages(batch.batch["scores"].sum(-1), batch.batch["traj_group_id"])
+            advantages = group_advantages(
+                batch.batch["scores"].sum(-1), batch.batch["traj_group_id"]
+            )
             loss = policy_loss(token_logprobs(actor, batch), batch, advantages)
             optimizer.zero_grad()
             loss.backward()
@@ -40,8 +49,10 @@ def main(steps: int = 5, batch_size: int = 8, engine=None) -> list[float]:
             scheduler.update_weights(actor)  # model_update: actor -> inference engine
             scheduler.resume()
             rewards.append(batch.meta_info["metrics"]["episode_score/mean"])
-            print(f"global_step {global_step}: score {rewards[-1]:+.3f}, "
-                  f"policy version {scheduler.version}")
+            print(
+                f"global_step {global_step}: score {rewards[-1]:+.3f}, "
+                f"policy version {scheduler.version}"
+            )
     finally:
         scheduler.close()
     return rewards

@@ -13,15 +13,32 @@ from rollpipe.cli import main
 
 def test_run_saves_batches_and_inspect_reads_them(tmp_path, tiny_model_path, capsys):
     out = tmp_path / "out"
-    code = main([
-        "run", "--engine", "hf", "--model", str(tiny_model_path), "--batches", "2",
-        "--batch-size", "4", "--group-size", "2", "--max-turns", "2", "--out", str(out),
-    ])
+    code = main(
+        [
+            "run",
+            "--engine",
+            "hf",
+            "--model",
+            str(tiny_model_path),
+            "--batches",
+            "2",
+            "--batch-size",
+            "4",
+            "--group-size",
+            "2",
+            "--max-turns",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     assert code == 0
     assert "total" in printed and "tokens/s" in printed
     assert sorted(p.name for p in out.iterdir()) == [
-        "batch_0000.pt", "batch_0001.pt", "trajectories.jsonl",
+        "batch_0000.pt",
+        "batch_0001.pt",
+        "trajectories.jsonl",
     ]
     records = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
     assert len(records) == 8
@@ -50,7 +67,9 @@ def test_inspect_rejects_a_missing_file(tmp_path, capsys):
 
 def test_python_dash_m_help():
     result = subprocess.run(
-        [sys.executable, "-m", "rollpipe", "run", "--help"], capture_output=True, text=True,
+        [sys.executable, "-m", "rollpipe", "run", "--help"],
+        capture_output=True,
+        text=True,
         check=True,
     )
     assert "--batch-size" in result.stdout and "--engine" in result.stdout

@@ -57,22 +57,20 @@ class Collate(BaseNode[DataProto]):
 
     def collate(self, item: TrajectoryBatch | Group | Sequence[Trajectory]) -> DataProto:
         """Rows and metrics for one item (usable without a source, e.g. in a map)."""
-        drops: dict[str, int] = {}
-        timing: dict[str, float] = {}
         if isinstance(item, TrajectoryBatch):
-            trajectories, drops = item.trajectories, dict(item.drops)
-            timing = {
-                "wall_time_s": item.wall_time_s,
-                "stream_time_s": item.stream_time_s,
-                "stream_tokens": item.stream_tokens,
-            }
+            trajectories = item.trajectories
+            metrics = batch_metrics(
+                trajectories, item.drops, item.wall_time_s, item.stream_time_s, item.stream_tokens
+            )
         elif isinstance(item, Group):
-            trajectories, drops = list(item.trajectories), dict(item.drops)
+            trajectories = list(item.trajectories)
+            metrics = batch_metrics(trajectories, item.drops)
         else:
             trajectories = list(item)
+            metrics = batch_metrics(trajectories)
         to_rows = trajectory_rows if self.level == "trajectory" else step_rows
         rows = to_rows(trajectories, self.pad_token_id, pad_to_multiple_of=self.pad_to_multiple_of)
-        rows.meta_info["metrics"] = batch_metrics(trajectories, drops, **timing)
+        rows.meta_info["metrics"] = metrics
         return rows
 
     def next(self) -> DataProto:

@@ -1,0 +1,152 @@
+"""The protocol's records: request parameters, results and errors.
+
+Frozen attrs classes validated at construction, so a bad value fails where it is
+written, with a message naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+
+__all__ = [
+    "FINISH_REASONS",
+    "EngineClosedError",
+    "EngineError",
+    "Generation",
+    "SamplingParams",
+]
+
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+
+
+class EngineError(RuntimeError):
+    """The engine failed (died, rejected a request, or a weight update went wrong)."""
+
+
+class EngineClosedError(EngineError):
+    """The engine was closed; create a new one to generate again."""
+
+
+def _int_at_least(low: int) -> Any:
+    def check(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(
+                f"{type(inst).__name__}.{attr.name} must be an int >= {low}, got {value!r}"
+            )
+
+    return check
+
+
+def _float_in(low: float, high: float, *, low_open: bool = False) -> Any:
+    def check(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = ok and math.isfinite(value) and (low < value if low_open else low <= value)
+        if not (ok and value <= high):
+            lo = "(" if low_open else "["
+            raise ValueError(
+                f"{type(inst).__name__}.{attr.name} must be a number in {lo}{low}, {high}], "
+                f"got {value!r}"
+            )
+
+    return check
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    if isinstance(value, int):
+        value = (value,)
+    return tuple(int(v) if isinstance(v, int) and not isinstance(v, bool) else v for v in value)
+
+
+def _check_stop_ids(inst: Any, attr: attrs.Attribute[Any], value: tuple[Any, ...]) -> None:
+    for v in value:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(
+                f"SamplingParams.stop_token_ids must hold non-negative ints, got {value!r}"
+            )
+
+
+def _check_seed(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise ValueError(f"SamplingParams.seed must be None or an int >= 0, got {value!r}")
+
+
+def _check_bool(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{type(inst).__name__}.{attr.name} must be a bool, got {value!r}")
+
+
+@attrs.frozen
+class SamplingParams:
+    """How to sample one completion. ``temperature=0`` is greedy; ``top_k=0`` is off.
+
+    ``seed`` makes a sampled completion reproducible; ``None`` draws fresh randomness.
+    Generation ends at EOS (unless ``ignore_eos``), at any ``stop_token_ids`` (the stop
+    token is kept in the output) or after ``max_tokens``.
+    """
+
+    max_tokens: int = attrs.field(default=64, validator=_int_at_least(1))
+    temperature: float = attrs.field(default=1.0, validator=_float_in(0.0, 100.0))
+    top_p: float = attrs.field(default=1.0, validator=_float_in(0.0, 1.0, low_open=True))
+    top_k: int = attrs.field(default=0, validator=_int_at_least(0))
+    stop_token_ids: tuple[int, ...] = attrs.field(
+        default=(), converter=_token_ids, validator=_check_stop_ids
+    )
+    seed: int | None = attrs.field(default=None, validator=_check_seed)
+    logprobs: bool = attrs.field(default=True, validator=_check_bool)
+    ignore_eos: bool = attrs.field(default=False, validator=_check_bool)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        """A copy with ``changes`` applied (validated like the constructor)."""
+        return attrs.evolve(self, **changes)
+
+
+def _int_tuple(values: Iterable[Any]) -> tuple[int, ...]:
+    return tuple(int(v) for v in values)
+
+
+def _float_tuple(values: Iterable[Any]) -> tuple[float, ...]:
+    return tuple(float(v) for v in values)
+
+
+def _check_generation(inst: Generation, attr: attrs.Attribute[Any], value: Any) -> None:
+    n = len(inst.token_ids)
+    if len(inst.versions) != n:
+        raise ValueError(
+            f"Generation.versions must have one entry per token ({n}), got {len(inst.versions)}"
+        )
+    if len(inst.logprobs) not in (0, n):
+        raise ValueError(
+            f"Generation.logprobs must be empty or have one entry per token ({n}), "
+            f"got {len(inst.logprobs)}"
+        )
+    if inst.finish_reason not in FINISH_REASONS:
+        raise ValueError(
+            f"Generation.finish_reason must be one of {FINISH_REASONS}, got {inst.finish_reason!r}"
+        )
+
+
+@attrs.frozen
+class Generation:
+    """One completion: sampled tokens, their log-probabilities and policy versions.
+
+    ``logprobs`` is empty when the request asked for none. ``versions[i]`` is the
+    engine version whose weights produced ``token_ids[i]``; a request that spans a
+    weight update holds both versions.
+    """
+
+    token_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    logprobs: tuple[float, ...] = attrs.field(converter=_float_tuple)
+    finish_reason: str = attrs.field()
+    versions: tuple[int, ...] = attrs.field(converter=_int_tuple, validator=_check_generation)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)

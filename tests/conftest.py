@@ -1,0 +1,69 @@
+"""Shared session fixtures: the tiny model, its tokenizer and one engine of each kind.
+
+Engines are expensive to start, so each kind is created once per test session and
+shared. A test that pauses an engine need not clean up: an autouse fixture resumes
+every shared engine after each test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollpipe.models import default_model_path
+
+_SHARED_ENGINES: list[Any] = []
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> Path:
+    """The built-in tiny Qwen2 model (built once into the user cache)."""
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_path: Path) -> Any:
+    """The tiny model's HF tokenizer (ChatML template, eos <|im_end|>, pad <|endoftext|>)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_path))
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tiny_model_path: Path) -> Iterator[Any]:
+    """One in-process VLLMEngine for the whole session (1 GiB KV cache, eager)."""
+    from rollpipe.engines.vllm import VLLMEngine  # vLLM is a test dependency: never skip
+
+    engine = VLLMEngine(tiny_model_path, kv_cache_space_gib=1, max_model_len=2048, seed=0)
+    _SHARED_ENGINES.append(engine)
+    try:
+        yield engine
+    finally:
+        _SHARED_ENGINES.remove(engine)
+        engine.close()
+
+
+@pytest.fixture(scope="session")
+def hf_engine(tiny_model_path: Path) -> Iterator[Any]:
+    """One HFEngine (transformers generate, micro-batched) for the whole session."""
+    from rollpipe.engines.hf import HFEngine
+
+    engine = HFEngine(tiny_model_path)
+    _SHARED_ENGINES.append(engine)
+    try:
+        yield engine
+    finally:
+        _SHARED_ENGINES.remove(engine)
+        engine.close()
+
+
+@pytest.fixture(autouse=True)
+def _resume_shared_engines() -> Iterator[None]:
+    """Leave every shared engine unpaused after each test."""
+    yield
+    for engine in list(_SHARED_ENGINES):
+        if not engine.closed and engine.is_paused:
+            engine.resume()
