@@ -342,3 +342,14 @@ def test_multiprocess_mode(tiny_model_path: Path, hf_model: Any, prompts: list[l
     while multiprocessing.active_children() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not multiprocessing.active_children()
+
+
+def test_closing_a_second_inprocess_engine_keeps_the_first_alive(
+    vllm_engine: Any, tiny_model_path: Path
+) -> None:
+    """In-process engines share vLLM's distributed state; closing one must not kill others."""
+    second = VLLMEngine(tiny_model_path, kv_cache_space_gib=0.25, max_model_len=512)
+    assert len(second.generate_batch([[1, 2, 3]], GREEDY)[0].token_ids) > 0
+    second.close()
+    out = vllm_engine.generate_batch([[1, 2, 3]], GREEDY)
+    assert len(out[0].token_ids) > 0

@@ -114,12 +114,31 @@ class _Request:
             self.fut.set_exception(exc)
 
 
+@contextlib.contextmanager
+def _keep_distributed_state() -> Iterator[None]:
+    """Skip vLLM's teardown of the process-wide distributed state for one shutdown.
+
+    In-process engines share torch.distributed / model-parallel groups; EngineCore's
+    shutdown destroys them, which would kill every other in-process engine.
+    """
+    import vllm.v1.engine.core as core
+
+    original = core.cleanup_dist_env_and_memory
+    core.cleanup_dist_env_and_memory = lambda *args, **kwargs: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        core.cleanup_dist_env_and_memory = original
+
+
 class InprocBackend:
     """An in-process ``LLMEngine`` stepped by a task on the engine loop.
 
     A step blocks the loop for one forward pass; requests, pauses and weight updates
     are handled between steps, so versions are exact and no locking is needed.
     """
+
+    live = 0  # in-process engines alive in this process (they share distributed state)
 
     def __init__(self, llm: Any, owner: VLLMEngine) -> None:
         self.llm = llm
@@ -142,6 +161,7 @@ class InprocBackend:
             llm = LLMEngine.from_engine_args(args)
         set_thread_torch_threads(threads)  # the CPU worker patched the setter; undo, re-apply
         llm.set_weight_version(str(owner.version))
+        InprocBackend.live += 1
         return cls(llm, owner)
 
     async def generate(self, rid: str, prompt: list[int], sp: Any, want_lp: bool) -> Generation:
@@ -259,8 +279,11 @@ class InprocBackend:
                 self.llm.abort_request(list(self.active))
         self.active.clear()
         self.queued.clear()
+        InprocBackend.live -= 1
+        others_alive = InprocBackend.live > 0
         try:
-            self.llm.engine_core.shutdown()
+            with _keep_distributed_state() if others_alive else contextlib.nullcontext():
+                self.llm.engine_core.shutdown()
         finally:
             self.llm = None
 
