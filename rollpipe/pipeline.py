@@ -26,24 +26,10 @@ from rollpipe.nodes.groups import FILTERS, GroupAssembler
 from rollpipe.nodes.pausable import Pausable, PauseController, PauseMode
 from rollpipe.nodes.rollout import Rollout
 from rollpipe.proto import DataProto
+from rollpipe.validators import int_at_least, optional
 
 Stage = Literal["source", "rollout", "groups", "batch", "collate"]
 NodeHook = Callable[[BaseNode[Any]], BaseNode[Any]]
-
-
-def _positive(instance: Any, attribute: attrs.Attribute, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"PipelineConfig.{attribute.name} must be an int >= 1, got {value!r}")
-
-
-def _optional_positive(instance: Any, attribute: attrs.Attribute, value: int | None) -> None:
-    if value is not None:
-        _positive(instance, attribute, value)
-
-
-def _non_negative(instance: Any, attribute: attrs.Attribute, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"PipelineConfig.{attribute.name} must be an int >= 0, got {value!r}")
 
 
 def _sampling(value: SamplingParams | Mapping[str, Any]) -> SamplingParams:
@@ -81,15 +67,15 @@ class PipelineConfig:
     """
 
     envs: tuple[EnvChoice, ...] = attrs.field(default=("frozenlake",), converter=_envs)
-    group_size: int = attrs.field(default=4, validator=_positive)
-    batch_size: int = attrs.field(default=16, validator=_positive)
-    num_groups: int | None = attrs.field(default=None, validator=_optional_positive)
-    redundancy: int = attrs.field(default=0, validator=_non_negative)
-    seed: int = attrs.field(default=0, validator=_non_negative)
-    max_turns: int = attrs.field(default=5, validator=_positive)
-    max_length: int = attrs.field(default=1024, validator=_positive)
-    concurrency: int = attrs.field(default=32, validator=_positive)
-    env_workers: int = attrs.field(default=4, validator=_positive)
+    group_size: int = attrs.field(default=4, validator=int_at_least(1))
+    batch_size: int = attrs.field(default=16, validator=int_at_least(1))
+    num_groups: int | None = attrs.field(default=None, validator=optional(int_at_least(1)))
+    redundancy: int = attrs.field(default=0, validator=int_at_least(0))
+    seed: int = attrs.field(default=0, validator=int_at_least(0))
+    max_turns: int = attrs.field(default=5, validator=int_at_least(1))
+    max_length: int = attrs.field(default=1024, validator=int_at_least(1))
+    concurrency: int = attrs.field(default=32, validator=int_at_least(1))
+    env_workers: int = attrs.field(default=4, validator=int_at_least(1))
     sampling: SamplingParams = attrs.field(
         factory=lambda: SamplingParams(max_tokens=48), converter=_sampling
     )
@@ -98,7 +84,7 @@ class PipelineConfig:
     level: Literal["trajectory", "step"] = attrs.field(
         default="trajectory", validator=attrs.validators.in_(("trajectory", "step"))
     )
-    pad_to_multiple_of: int | None = attrs.field(default=None, validator=_optional_positive)
+    pad_to_multiple_of: int | None = attrs.field(default=None, validator=optional(int_at_least(1)))
     filter: str | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.in_(tuple(FILTERS)))
     )

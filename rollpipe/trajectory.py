@@ -13,16 +13,11 @@ from typing import Any, Literal
 
 import attrs
 
+from rollpipe.validators import int_at_least
+
 EndReason = Literal["terminated", "truncated", "max_turns", "max_length", "error"]
 END_REASONS: tuple[str, ...] = ("terminated", "truncated", "max_turns", "max_length", "error")
 FINISH_REASONS: tuple[str, ...] = ("stop", "length")
-
-
-def _non_negative_int(instance: Any, attribute: attrs.Attribute, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(
-            f"{type(instance).__name__}.{attribute.name} must be a non-negative int, got {value!r}"
-        )
 
 
 def _env_config(
@@ -45,9 +40,9 @@ class EpisodeSpec:
     unique per trajectory and, with ``seed``, determines every sampling seed.
     """
 
-    group_id: int = attrs.field(validator=_non_negative_int)
-    episode_id: int = attrs.field(validator=_non_negative_int)
-    seed: int = attrs.field(validator=_non_negative_int)
+    group_id: int = attrs.field(validator=int_at_least(0))
+    episode_id: int = attrs.field(validator=int_at_least(0))
+    seed: int = attrs.field(validator=int_at_least(0))
     env: str = "frozenlake"
     env_config: tuple[tuple[str, Any], ...] = attrs.field(default=(), converter=_env_config)
     tag: str = ""
@@ -125,7 +120,7 @@ class Trajectory:
     """
 
     spec: EpisodeSpec
-    env_id: int = attrs.field(validator=_non_negative_int)
+    env_id: int = attrs.field(validator=int_at_least(0))
     turns: tuple[Turn, ...] = attrs.field(converter=_turns)
     score: float = attrs.field(converter=float)
     success: bool = attrs.field(converter=bool)
@@ -216,7 +211,7 @@ def _drops(value: Mapping[str, int]) -> dict[str, int]:
 class Group:
     """The trajectories of one group id, plus counts of members dropped by reason."""
 
-    group_id: int = attrs.field(validator=_non_negative_int)
+    group_id: int = attrs.field(validator=int_at_least(0))
     trajectories: tuple[Trajectory, ...] = attrs.field(converter=_trajectories)
     drops: Mapping[str, int] = attrs.field(factory=dict, converter=_drops, eq=False)
 

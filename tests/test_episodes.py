@@ -78,5 +78,7 @@ def test_bad_arguments_name_the_field():
         EpisodeSource(-1, 2)
     with pytest.raises(ValueError, match="weights must not all be 0"):
         EpisodeSource(1, 2, envs=[EnvChoice("frozenlake", weight=0.0)])
-    with pytest.raises(ValueError, match="weight must be >= 0"):
+    with pytest.raises(
+        ValueError, match=r"EnvChoice.weight must be a number in \[0.0, inf\], got -1.0"
+    ):
         EnvChoice("frozenlake", weight=-1.0)

@@ -6,11 +6,12 @@ written, with a message naming the field.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
 import attrs
+
+from rollpipe.validators import float_in, int_at_least
 
 __all__ = [
     "FINISH_REASONS",
@@ -29,30 +30,6 @@ class EngineError(RuntimeError):
 
 class EngineClosedError(EngineError):
     """The engine was closed; create a new one to generate again."""
-
-
-def _int_at_least(low: int) -> Any:
-    def check(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(
-                f"{type(inst).__name__}.{attr.name} must be an int >= {low}, got {value!r}"
-            )
-
-    return check
-
-
-def _float_in(low: float, high: float, *, low_open: bool = False) -> Any:
-    def check(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        ok = ok and math.isfinite(value) and (low < value if low_open else low <= value)
-        if not (ok and value <= high):
-            lo = "(" if low_open else "["
-            raise ValueError(
-                f"{type(inst).__name__}.{attr.name} must be a number in {lo}{low}, {high}], "
-                f"got {value!r}"
-            )
-
-    return check
 
 
 def _token_ids(value: Any) -> tuple[int, ...]:
@@ -88,10 +65,10 @@ class SamplingParams:
     token is kept in the output) or after ``max_tokens``.
     """
 
-    max_tokens: int = attrs.field(default=64, validator=_int_at_least(1))
-    temperature: float = attrs.field(default=1.0, validator=_float_in(0.0, 100.0))
-    top_p: float = attrs.field(default=1.0, validator=_float_in(0.0, 1.0, low_open=True))
-    top_k: int = attrs.field(default=0, validator=_int_at_least(0))
+    max_tokens: int = attrs.field(default=64, validator=int_at_least(1))
+    temperature: float = attrs.field(default=1.0, validator=float_in(0.0, 100.0))
+    top_p: float = attrs.field(default=1.0, validator=float_in(0.0, 1.0, low_open=True))
+    top_k: int = attrs.field(default=0, validator=int_at_least(0))
     stop_token_ids: tuple[int, ...] = attrs.field(
         default=(), converter=_token_ids, validator=_check_stop_ids
     )

@@ -17,11 +17,7 @@ from torchdata.nodes import BaseNode
 from rollpipe.nodes.control import RolloutControl
 from rollpipe.seeding import derive_seed
 from rollpipe.trajectory import EpisodeSpec
-
-
-def _non_negative(instance: Any, attribute: attrs.Attribute, value: float) -> None:
-    if value < 0:
-        raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
+from rollpipe.validators import float_in
 
 
 @attrs.frozen
@@ -30,7 +26,7 @@ class EnvChoice:
 
     name: str
     config: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
-    weight: float = attrs.field(default=1.0, validator=_non_negative)
+    weight: float = attrs.field(default=1.0, validator=float_in(0.0))
     tag: str = ""
 
     @property
