@@ -76,5 +76,5 @@ def bench(session: nox.Session) -> None:
 
     `nox -s bench -- --quick` finishes in a few minutes on 2 CPU cores.
     """
-    install_project(session, "cpu")
+    install_project(session, "cpu,bench")
     session.run("python", "-m", "bench.run", *session.posargs)

@@ -1,0 +1,185 @@
+"""Benchmark 6: CPU time spent in rollpipe itself per trajectory.
+
+Where rollpipe's own work runs: the pipeline's consumer thread (here the main thread)
+drives every stage — the Rollout event loop with its episode coroutines, prompt
+building (``ChatFormat``, which calls the tokenizer), grouping, batching, collation.
+The engine generates on its own thread and blocking env calls run on a thread pool,
+so neither is on the consumer thread except for the engine's client-side calls
+(``engine.generate`` validating and submitting a request) and the env-call hand-off.
+
+Method, per repeat, on a FrozenLake pipeline (env stepped every turn):
+
+1. Unprofiled run: the consumer thread's CPU time (``time.thread_time``) around
+   ``get_batch`` = ``main_cpu``. Waiting (select, GIL, futures) costs no CPU time.
+2. The same run under ``cProfile`` with ``time.thread_time`` as its timer, so the
+   profile counts CPU, not waiting. From it: ``excluded`` = time inside functions of
+   ``rollpipe/engines/`` and ``rollpipe/envs/`` entered from outside them (cumulative
+   time per caller edge, so nothing is counted twice).
+3. Profiler correction: the profiler's own cost per profiled call is
+   ``c = (profiled_total - main_cpu) / calls`` (same workload, same seed); each
+   excluded subtree is charged ``c`` times its estimated call count (its calls plus its
+   callees', split by caller).
+4. ``overhead_cpu_ms_per_trajectory = (main_cpu - corrected excluded) / trajectories``.
+   It includes the libraries rollpipe calls on its own behalf (tokenizer and Jinja for
+   prompts, torch for rows, asyncio for scheduling, torchdata's node plumbing).
+
+Also reported (same correction, as shares of ``main_cpu``): building prompts
+(``rollpipe/chat.py``, inclusive) and collating (``trajectory_rows`` and
+``batch_metrics``, inclusive); and the top rollpipe
+functions by self time, written to ``bench/results/latest_overhead.txt``.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import rollpipe
+from bench.common import BenchContext, Figures, median, reset_prefix_cache, rounded
+from rollpipe.engines.base import SamplingParams
+from rollpipe.pipeline import PipelineConfig, RolloutPipeline
+
+ROOT = str(Path(rollpipe.__file__).resolve().parent)
+EXCLUDED = (f"{ROOT}/engines/", f"{ROOT}/envs/")
+REPORT_NAME = "latest_overhead.txt"
+
+Func = tuple[str, int, str]
+
+
+def _in(func: Func, prefixes: tuple[str, ...]) -> bool:
+    return func[0].startswith(prefixes)
+
+
+def _subtree_calls(stats: dict[Func, Any]) -> dict[Func, float]:
+    """Estimated calls made inside each function's subtree (itself included), splitting a
+    callee's subtree among its callers by call counts; cycles are cut."""
+    callees: dict[Func, list[tuple[Func, int]]] = {}
+    for func, (_cc, _nc, _tt, _ct, callers) in stats.items():
+        for caller, (nc, _c, _t, _ct2) in callers.items():
+            callees.setdefault(caller, []).append((func, nc))
+    memo: dict[Func, float] = {}
+    active: set[Func] = set()
+
+    def calls(func: Func) -> float:
+        if func in memo:
+            return memo[func]
+        total = float(stats[func][1]) if func in stats else 0.0
+        if func in active:
+            return total
+        active.add(func)
+        for callee, nc in callees.get(func, []):
+            own = stats.get(callee, (0, 0))[1]
+            if own and callee != func:
+                total += nc / own * calls(callee)
+        active.discard(func)
+        memo[func] = total
+        return total
+
+    for func in stats:
+        calls(func)
+    return memo
+
+
+def _inclusive(
+    stats: dict[Func, Any],
+    match: Callable[[Func], bool],
+    per_call: float = 0.0,
+    subtree: dict[Func, float] | None = None,
+) -> float:
+    """CPU time of the functions ``match`` accepts, entered from functions it rejects
+    (per caller edge, so nothing counts twice), less ``per_call`` profiler cost for
+    every call estimated to happen in those subtrees."""
+    subtree = subtree or {}
+    total = 0.0
+    for func, (_cc, nc, _tt, _ct, callers) in stats.items():
+        if not match(func):
+            continue
+        for caller, (edge_nc, _c, _t, ct) in callers.items():
+            if not match(caller):
+                share = edge_nc / nc if nc else 0.0
+                total += max(0.0, ct - per_call * share * subtree.get(func, 0.0))
+    return total
+
+
+def _is_collation(func: Func) -> bool:
+    return func[2] in ("trajectory_rows", "batch_metrics") and func[0].startswith(ROOT)
+
+
+def _config(ctx: BenchContext, n: int, seed: int) -> PipelineConfig:
+    return PipelineConfig(
+        envs="frozenlake",
+        group_size=4,
+        batch_size=n,
+        num_groups=n // 4,
+        seed=seed,
+        max_turns=4,
+        concurrency=min(n, 64),
+        sampling=SamplingParams(max_tokens=24),
+        on_length="step",
+    )
+
+
+def _drain(ctx: BenchContext, config: PipelineConfig, profile: cProfile.Profile | None) -> float:
+    reset_prefix_cache(ctx.engine)
+    with RolloutPipeline(config, ctx.engine, ctx.tokenizer) as pipe:
+        start = time.thread_time()
+        if profile is not None:
+            profile.enable()
+        batch = pipe.get_batch(-1)
+        if profile is not None:
+            profile.disable()
+        cpu = time.thread_time() - start
+    if batch is None or len(batch) != config.batch_size:
+        raise RuntimeError(f"overhead: pipeline returned {batch!r}")
+    return cpu
+
+
+def run(ctx: BenchContext) -> Figures:
+    n = 64 if ctx.quick else 256
+    per_traj, shares, prompt_share, collate_share, consumer = [], [], [], [], []
+    last: pstats.Stats | None = None
+    for rep in range(ctx.repeats):
+        config = _config(ctx, n, seed=rep)
+        main_cpu = _drain(ctx, config, None)
+        profile = cProfile.Profile(time.thread_time)
+        _drain(ctx, config, profile)
+        last = pstats.Stats(profile)
+        stats = last.stats  # type: ignore[attr-defined]
+        total = sum(tt for (_cc, _nc, tt, _ct, _callers) in stats.values())
+        n_calls = sum(nc for (_cc, nc, _tt, _ct, _callers) in stats.values())
+        per_call = max(0.0, (total - main_cpu) / n_calls) if n_calls else 0.0
+        subtree = _subtree_calls(stats)
+        excluded = _inclusive(stats, lambda f: _in(f, EXCLUDED), per_call, subtree)
+        share = max(0.0, 1.0 - excluded / main_cpu)
+        prompts = _inclusive(stats, lambda f: f[0] == f"{ROOT}/chat.py", per_call, subtree)
+        collate = _inclusive(stats, _is_collation, per_call, subtree)
+        shares.append(share)
+        prompt_share.append(prompts / main_cpu)
+        collate_share.append(collate / main_cpu)
+        per_traj.append(1e3 * main_cpu * share / n)
+        consumer.append(1e3 * main_cpu / n)
+        ctx.log(
+            f"  overhead rep {rep}: consumer-thread CPU {1e3 * main_cpu / n:.2f} ms/traj, "
+            f"rollpipe share {share:.2f} (prompts {prompts / main_cpu:.2f}, collate "
+            f"{collate / main_cpu:.2f}; profiler {1e6 * per_call:.1f} us/call) -> "
+            f"{per_traj[-1]:.2f} ms/traj"
+        )
+    if ctx.results_dir is not None and last is not None:
+        report = ctx.results_dir / REPORT_NAME
+        report.parent.mkdir(parents=True, exist_ok=True)
+        with report.open("w") as f:
+            f.write(f"rollpipe functions by self CPU time (last repeat, {n} trajectories)\n")
+            last.stream = f  # type: ignore[attr-defined]
+            last.sort_stats("tottime").print_stats(ROOT, 25)
+    return {
+        "overhead_cpu_ms_per_trajectory": rounded(median(per_traj)),
+        "overhead_consumer_cpu_ms_per_trajectory": rounded(median(consumer)),
+        "overhead_rollpipe_share_of_consumer_cpu": rounded(median(shares)),
+        "overhead_prompt_share": rounded(median(prompt_share)),
+        "overhead_collate_share": rounded(median(collate_share)),
+        "overhead_trajectories": n,
+    }

@@ -1,0 +1,177 @@
+"""Run the benchmarks: ``python -m bench.run [--quick] [--only a,b] [--repeats N]``.
+
+Prints one table, writes ``bench/results/latest.json`` (one flat object, overwritten
+each run), ``bench/results/latest.md`` (the table, for docs/performance.md) and a dated
+copy ``bench/results/<date>[-quick].json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import json
+import sys
+import time
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+
+from bench.common import (
+    BenchContext,
+    Figures,
+    machine_info,
+    make_engine,
+    rounded,
+    today,
+    warm_up,
+)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# Order matters for memory: collate (hundreds of MB of records) runs last so it cannot
+# inflate the RSS figures of the engine benchmarks.
+BENCHMARKS = ("efficiency", "long_tail", "concurrency", "pause", "overhead", "collate")
+NEEDS_ENGINE = {"efficiency", "long_tail", "concurrency", "pause", "overhead"}
+LEVELS = (1, 8, 64, 256)
+
+# (label, JSON key, target text, format)
+SUMMARY = (
+    ("1", "Pipeline efficiency, FrozenLake", "efficiency_frozenlake", "≥ 0.9", "{:.2f}"),
+    ("1", "Pipeline efficiency, Sokoban", "efficiency_sokoban", "≥ 0.9", "{:.2f}"),
+    ("2", "Long tail: rollpipe ÷ lockstep traj/s", "long_tail_speedup", "≥ 2×", "{:.2f}×"),
+    ("3", "Collate time ÷ torch.cat time", "collate_vs_memcpy", "≤ 2", "{:.2f}"),
+    ("3", "Per-row concat time ÷ collate time", "collate_speedup_vs_concat", "≥ 5×", "{:.2f}×"),
+    ("4", "suspend() to quiescence, 64 in flight", "pause_ms", "—", "{:.1f} ms"),
+    ("4", "Weight sync, tiny model", "weight_sync_ms", "—", "{:.1f} ms"),
+    ("4", "resume() to first new token", "resume_first_token_ms", "—", "{:.1f} ms"),
+    ("6", "CPU in rollpipe per trajectory", "overhead_cpu_ms_per_trajectory", "—", "{:.2f} ms"),
+)
+
+
+def _fmt(figures: Figures, key: str, fmt: str) -> str:
+    value = figures.get(key)
+    if value is None:
+        return "—"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return fmt.format(value)
+    return str(value)
+
+
+def table(figures: Figures) -> str:
+    """The results as Markdown: the summary table, then the concurrency table."""
+    lines = [
+        f"**Machine:** {figures.get('machine', '?')}  ",
+        f"**Date:** {figures.get('date', '?')} · **Command:** `{figures.get('command', '?')}`"
+        f" · **Repeats:** {figures.get('repeats', '?')} (medians)",
+        "",
+        "| # | Benchmark | Figure (JSON key) | Target | Result |",
+        "|---|---|---|---|---|",
+    ]
+    for num, label, key, target, fmt in SUMMARY:
+        lines.append(f"| {num} | {label} | `{key}` | {target} | {_fmt(figures, key, fmt)} |")
+    lines += [
+        "",
+        "| Concurrent episodes | Generated tokens/s | Trajectories/s | Peak RSS (MB) |",
+        "|---|---|---|---|",
+    ]
+    for c in LEVELS:
+        p = f"concurrency_{c}"
+        lines.append(
+            f"| {c} | {_fmt(figures, p + '_tokens_per_s', '{:.0f}')} | "
+            f"{_fmt(figures, p + '_trajectories_per_s', '{:.2f}')} | "
+            f"{_fmt(figures, p + '_peak_rss_mb', '{:.0f}')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_results(figures: Figures, out_dir: Path, quick: bool) -> list[Path]:
+    """latest.json, latest.md and the dated copy; returns the paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(figures, indent=2, sort_keys=True) + "\n"
+    dated = out_dir / f"{datetime.now():%Y-%m-%d}{'-quick' if quick else ''}.json"
+    paths = [out_dir / "latest.json", dated, out_dir / "latest.md"]
+    for path, content in zip(paths, (text, text, table(figures)), strict=True):
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(content)
+        tmp.replace(path)
+    return paths
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="small workloads (< 5 min)")
+    parser.add_argument(
+        "--only",
+        default=",".join(BENCHMARKS),
+        help=f"comma-separated subset of {','.join(BENCHMARKS)}",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="repeats per figure (>= 1)")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS, help="where results go")
+    parser.add_argument("--no-write", action="store_true", help="print only, write nothing")
+    args = parser.parse_args(argv)
+    chosen = [b.strip() for b in args.only.split(",") if b.strip()]
+    unknown = sorted(set(chosen) - set(BENCHMARKS))
+    if unknown:
+        parser.error(f"--only: unknown benchmarks {unknown}; choose from {list(BENCHMARKS)}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    args.only = [b for b in BENCHMARKS if b in chosen]
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> Figures:
+    args = parse_args(argv)
+    start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - start:6.1f}s] {msg}", flush=True)
+
+    from transformers import AutoTokenizer
+
+    from rollpipe.models import default_model_path
+
+    figures: Figures = {
+        "machine": machine_info(),
+        "date": today(),
+        "command": "python -m bench.run" + (" --quick" if args.quick else ""),
+        "mode": "quick" if args.quick else "full",
+        "repeats": args.repeats,
+    }
+    model_path = default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    engine = None
+    if NEEDS_ENGINE & set(args.only):
+        log("starting the engine")
+        engine = make_engine(model_path)
+        warm_up(engine)
+    ctx = BenchContext(
+        engine,
+        tokenizer,
+        model_path,
+        args.quick,
+        args.repeats,
+        log,
+        results_dir=None if args.no_write else args.out_dir,
+    )
+    try:
+        for name in args.only:
+            log(f"benchmark {name}")
+            t0 = time.perf_counter()
+            module = importlib.import_module(f"bench.{name}")
+            figures.update(module.run(ctx))
+            figures[f"time_{name}_s"] = rounded(time.perf_counter() - t0)
+            gc.collect()
+    finally:
+        if engine is not None:
+            engine.close()
+    figures["total_s"] = rounded(time.perf_counter() - start)
+    print()
+    print(table(figures))
+    if not args.no_write:
+        for path in write_results(figures, args.out_dir, args.quick):
+            log(f"wrote {path}")
+    return figures
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
