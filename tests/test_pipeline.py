@@ -284,3 +284,17 @@ def test_close_leaves_no_threads_behind(vllm_engine, tokenizer):
     assert leftover == []
     with pytest.raises(RuntimeError, match="closed"):
         pipe.get_batch()
+
+
+def test_collection_continues_between_batches(vllm_engine, tokenizer):
+    """While the trainer works on a batch, episodes keep running in the background."""
+    import time
+
+    cfg = config(num_groups=4, concurrency=4, max_turns=1)
+    with RolloutPipeline(cfg, vllm_engine, tokenizer) as pipe:
+        pipe.get_batch()
+        deadline = time.monotonic() + 60
+        while pipe.nodes.rollout.num_buffered < 4 and time.monotonic() < deadline:
+            time.sleep(0.1)  # "training": nobody asks for data
+        assert pipe.nodes.rollout.num_buffered >= 4
+        assert len(pipe.get_batch()) == 8

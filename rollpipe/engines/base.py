@@ -26,6 +26,7 @@ from rollpipe.engines.records import (
     Generation,
     SamplingParams,
 )
+from rollpipe.loop_thread import LoopThread
 
 __all__ = [
     "FINISH_REASONS",
@@ -152,47 +153,6 @@ def check_prompt(prompt_ids: Sequence[int], vocab_size: int | None = None) -> li
     return ids
 
 
-class _LoopThread:
-    """An asyncio event loop running forever in a daemon thread owned by an engine."""
-
-    def __init__(self, name: str, init: Callable[[], None] | None = None) -> None:
-        self._init = init
-        self.loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.thread.start()
-        self._ready.wait()
-
-    def _run(self) -> None:
-        if self._init is not None:
-            self._init()
-        asyncio.set_event_loop(self.loop)
-        self.loop.call_soon(self._ready.set)
-        try:
-            self.loop.run_forever()
-        finally:
-            tasks = asyncio.all_tasks(self.loop)
-            for t in tasks:
-                t.cancel()
-            if tasks:
-                self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-            self.loop.close()
-
-    def in_loop_thread(self) -> bool:
-        return threading.current_thread() is self.thread
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.loop.is_closed():
-            return
-        try:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-        except RuntimeError:  # loop closed meanwhile
-            return
-        if not self.in_loop_thread():
-            self.thread.join(timeout)
-
-
 class BaseEngine:
     """Shared machinery: the loop thread, request futures, versions, close.
 
@@ -209,7 +169,7 @@ class BaseEngine:
         self._dead: BaseException | None = None
         self._lock = threading.RLock()
         self._pending: set[concurrent.futures.Future[Any]] = set()
-        self._runner = _LoopThread(name, loop_init)
+        self._runner = LoopThread(name, loop_init)
 
     # -- state ---------------------------------------------------------------------------
     @property

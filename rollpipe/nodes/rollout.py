@@ -1,16 +1,17 @@
 """Rollout: many episodes at once, every live request in flight together.
 
 Each episode is a coroutine (``rollpipe.episode.run_episode``). Up to ``concurrency``
-run on one event loop, so all of their engine requests reach the engine together and
-its continuous batching does the batching: no lockstep turns, and a long episode
-never holds back the others. Blocking env calls run on a thread pool.
+run on the node's own event-loop thread, so all of their engine requests reach the
+engine together and its continuous batching does the batching: no lockstep turns, and
+a long episode never holds back the others. Blocking env calls run on a thread pool.
 
-The event loop is driven from ``next()``; the engine generates on its own thread, so
-requests keep progressing between calls. With ``in_order=True`` (the default, as in
-torchdata's ``ParallelMapper``) trajectories come out in admission order, which makes
-runs and checkpoint restores reproducible; ``in_order=False`` yields them as they
-finish. A checkpoint records the specs admitted but not yet yielded; a restore re-runs
-them, and their derived seeds reproduce them.
+Collection continues in the background between ``next()`` calls — while the trainer
+computes — up to ``max_buffered`` finished trajectories; ``suspend()`` (the admission
+gate) stops it. With ``in_order=True`` (as in torchdata's ``ParallelMapper``)
+trajectories come out in admission order, which makes runs and checkpoint restores
+reproducible; ``in_order=False`` yields them as they finish. A checkpoint records the
+specs admitted but not yet yielded; a restore re-runs them, and their derived seeds
+reproduce them.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from collections import deque
-from collections.abc import Callable, Hashable
-from typing import Any
+from collections.abc import Callable, Coroutine, Hashable
+from typing import Any, TypeVar
 
 from torchdata.nodes import BaseNode
 
@@ -27,11 +28,16 @@ from rollpipe.chat import ChatFormat
 from rollpipe.engines.base import Engine, SamplingParams
 from rollpipe.envs import make as make_env
 from rollpipe.episode import run_episode
+from rollpipe.loop_thread import LoopThread
 from rollpipe.nodes.control import RolloutControl
 from rollpipe.trajectory import EpisodeSpec, Trajectory
 
+T = TypeVar("T")
 EnvFactory = Callable[[EpisodeSpec], Any]
 """Builds an environment for a spec; the default uses ``rollpipe.envs.make``."""
+
+_END = object()  # the stream is over (a coroutine cannot raise StopIteration)
+_TICK_S = 0.02  # how often the driver looks at the gate, cancellations and capacity
 
 
 def registry_env_factory(spec: EpisodeSpec) -> Any:
@@ -54,7 +60,7 @@ class Rollout(BaseNode[Trajectory]):
             pooled and reused; ``env_ids`` in the rows name the instance.
         env_workers: threads for blocking env calls.
         in_order: yield in admission order (reproducible) or completion order.
-        max_buffered: finished trajectories held back for ordering before admission
+        max_buffered: finished trajectories held, not yet yielded, before admission
             pauses (default ``4 * concurrency``).
         control: shared :class:`RolloutControl` (admission gate, cancelled groups).
         episode_kwargs: passed to ``run_episode`` (``raise_env_errors``, ``on_length``...).
@@ -94,19 +100,33 @@ class Rollout(BaseNode[Trajectory]):
         self.max_length = max_length
         self.concurrency = concurrency
         self.env_factory = env_factory or registry_env_factory
+        self.env_workers = env_workers
         self.in_order = in_order
         self.max_buffered = max_buffered or 4 * concurrency
         self.control = control or RolloutControl()
         self.episode_kwargs = episode_kwargs
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=env_workers, thread_name_prefix="rollpipe-env"
-        )
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: LoopThread | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._driver: asyncio.Task[None] | None = None
         self._free_envs: dict[Hashable, list[tuple[int, Any]]] = {}
         self._all_envs: list[Any] = []
+        self._closed = False
         self._clear()
 
-    # -- bookkeeping ----------------------------------------------------------------
+    # -- running on the node's loop thread --------------------------------------------
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the loop thread and wait for its result (or exception)."""
+        if self._closed:
+            coro.close()
+            raise RuntimeError("Rollout is closed; build a new one")
+        if self._runner is None:
+            self._runner = LoopThread("rollpipe-rollout")
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=self.env_workers, thread_name_prefix="rollpipe-env"
+            )
+        return asyncio.run_coroutine_threadsafe(coro, self._runner.loop).result()
+
+    # -- bookkeeping (loop thread only) -----------------------------------------------
     def _clear(self) -> None:
         self._live: dict[int, asyncio.Task[Trajectory]] = {}
         self._pending: dict[int, EpisodeSpec] = {}  # admitted, not yet yielded
@@ -118,10 +138,15 @@ class Rollout(BaseNode[Trajectory]):
         self._source_done = False
         self._requests_at_stop = 0  # replacement requests already pending when it stopped
         self._source_state: dict[str, Any] | None = None
+        self._failure: BaseException | None = None
+        self._wake: asyncio.Event | None = None
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        self._cancel_all()
+        self._call(self._restart(initial_state))
+
+    async def _restart(self, initial_state: dict[str, Any] | None) -> None:
+        await self._stop_all()
         self._clear()
         if initial_state is None:
             self.source.reset(None)
@@ -129,14 +154,19 @@ class Rollout(BaseNode[Trajectory]):
             self.source.reset(initial_state["source"])
             self._requeue.extend(initial_state["pending"])
         self._source_state = self.source.state_dict()
+        self._wake = asyncio.Event()
+        self._driver = asyncio.get_running_loop().create_task(self._drive())
 
     def get_state(self) -> dict[str, Any]:
+        return self._call(self._snapshot())
+
+    async def _snapshot(self) -> dict[str, Any]:
         return {
             "source": self._source_state,
             "pending": list(self._pending.values()) + list(self._requeue),
         }
 
-    # -- environments ---------------------------------------------------------------
+    # -- environments -----------------------------------------------------------------
     def _acquire_env(self, spec: EpisodeSpec) -> tuple[int, Any]:
         free = self._free_envs.setdefault((spec.env, spec.env_config), [])
         if free:
@@ -167,7 +197,30 @@ class Rollout(BaseNode[Trajectory]):
         finally:
             self._release_env(spec, env_id, env)
 
-    # -- admission --------------------------------------------------------------------
+    # -- the driver: admission and completion, in the background ----------------------
+    async def _drive(self) -> None:
+        """Admit while there is room, collect finished episodes, wake ``next()``."""
+        assert self._wake is not None
+        try:
+            while True:
+                self._cancel_unwanted()
+                self._admit()
+                if self._live:
+                    done, _ = await asyncio.wait(
+                        set(self._live.values()),
+                        timeout=_TICK_S,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                    self._collect(done)
+                else:
+                    await asyncio.sleep(_TICK_S)
+                self._wake.set()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as error:  # an engine death or a re-raised env error
+            self._failure = error
+            self._wake.set()
+
     def _take_spec(self) -> EpisodeSpec | None:
         if self._requeue:
             return self._requeue.popleft()
@@ -184,7 +237,7 @@ class Rollout(BaseNode[Trajectory]):
         return spec
 
     def _admit(self) -> None:
-        loop = self._event_loop()
+        loop = asyncio.get_running_loop()
         while (
             len(self._live) < self.concurrency
             and len(self._results) < self.max_buffered
@@ -209,7 +262,6 @@ class Rollout(BaseNode[Trajectory]):
             if self._pending[index].group_id in cancelled:
                 task.cancel()
 
-    # -- completion -------------------------------------------------------------------
     def _finish(self, index: int, result: Trajectory | None) -> None:
         self._results[index] = result
         self._finish_order.append(index)
@@ -225,6 +277,20 @@ class Rollout(BaseNode[Trajectory]):
                 raise error
             self._finish(index, task.result())
 
+    def _new_requests(self) -> bool:
+        """Replacement groups were requested since the source last ran dry."""
+        return self.control.replacements_pending > self._requests_at_stop
+
+    def _is_over(self) -> bool:
+        return (
+            not self._live
+            and not self._results
+            and not self._requeue
+            and self._source_done
+            and not self._new_requests()
+        )
+
+    # -- yielding ---------------------------------------------------------------------
     def _pop_ready(self) -> Trajectory | None:
         while True:
             if self.in_order:
@@ -241,54 +307,49 @@ class Rollout(BaseNode[Trajectory]):
             if result is not None and not self.control.is_cancelled(result.group_id):
                 return result
 
-    async def _wait_any(self, timeout: float) -> set[asyncio.Task[Trajectory]]:
-        done, _ = await asyncio.wait(
-            set(self._live.values()), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-        )
-        return done
-
-    def next(self) -> Trajectory:
-        loop = self._event_loop()
+    async def _next_ready(self) -> Any:
+        assert self._wake is not None
         while True:
-            self._cancel_unwanted()
-            self._admit()
+            if self._failure is not None:
+                raise self._failure
             item = self._pop_ready()
             if item is not None:
                 return item
-            if self._live:
-                self._collect(loop.run_until_complete(self._wait_any(timeout=0.05)))
-            elif not self.control.is_open:
-                self.control.wait_open(timeout=0.05)
-            elif not self._results and self._take_is_over():
-                raise StopIteration
+            if self._is_over():
+                return _END
+            self._wake.clear()
+            await self._wake.wait()
 
-    def _new_requests(self) -> bool:
-        """Replacement groups were requested since the source last ran dry."""
-        return self.control.replacements_pending > self._requests_at_stop
+    def next(self) -> Trajectory:
+        item = self._call(self._next_ready())
+        if item is _END:
+            raise StopIteration
+        return item  # type: ignore[no-any-return]
 
-    def _take_is_over(self) -> bool:
-        return not self._requeue and self._source_done and not self._new_requests()
+    @property
+    def num_buffered(self) -> int:
+        """Finished trajectories waiting to be yielded (a monitoring snapshot)."""
+        return len(self._results)
 
     # -- lifecycle --------------------------------------------------------------------
-    def _event_loop(self) -> asyncio.AbstractEventLoop:
-        if self._loop is None or self._loop.is_closed():
-            self._loop = asyncio.new_event_loop()
-        return self._loop
-
-    def _cancel_all(self) -> None:
-        if not self._live or self._loop is None:
-            return
-        for task in self._live.values():
+    async def _stop_all(self) -> None:
+        tasks = [t for t in (self._driver, *self._live.values()) if t is not None]
+        for task in tasks:
             task.cancel()
-        self._loop.run_until_complete(asyncio.gather(*self._live.values(), return_exceptions=True))
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._driver = None
         self._live.clear()
 
     def close(self) -> None:
-        """Cancel live episodes, stop the env threads, close the envs. Idempotent."""
-        self._cancel_all()
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.close()
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        """Cancel live episodes, stop the threads, close the envs. Idempotent."""
+        if self._closed:
+            return
+        if self._runner is not None:
+            self._call(self._stop_all())
+            self._runner.stop()
+        self._closed = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
         for env in self._all_envs:
             close = getattr(env, "close", None)
             if close is not None:
