@@ -41,7 +41,7 @@ SUMMARY_COLUMNS = (
     "turns",
     "resp tokens",
     "tokens/s",
-    "traj/s",
+    "wait s",
 )
 
 
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         table.add_column(column, justify="right")
     progress = Progress(
         TextColumn("[bold]rollouts"),
-        BarColumn(),
+        BarColumn(bar_width=20),
         MofNCompleteColumn(),
         TextColumn("{task.fields[tokens_per_s]:>7.0f} tok/s"),
         TextColumn("filtered {task.fields[filtered]}"),
