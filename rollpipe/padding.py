@@ -99,7 +99,7 @@ class FlatLayout:
         holds only the elements at ``where``, in row-major order; the rest is ``pad_value``.
         """
         target = self.mask if where is None else where
-        expected = self.total if where is None else int(target.sum())
+        expected = self.total if where is None else int(torch.count_nonzero(target))
         if flat.dim() != 1 or flat.shape[0] != expected:
             raise ValueError(
                 f"flat must be 1-D with {expected} elements (one per "
