@@ -1,25 +1,28 @@
 """Benchmark 6: CPU time spent in rollpipe itself per trajectory.
 
-Where rollpipe's own work runs: the pipeline's consumer thread (here the main thread)
-drives every stage — the Rollout event loop with its episode coroutines, prompt
-building (``ChatFormat``, which calls the tokenizer), grouping, batching, collation.
-The engine generates on its own thread and blocking env calls run on a thread pool,
-so neither is on the consumer thread except for the engine's client-side calls
+Where rollpipe's own work runs: two threads. The Rollout node's event-loop thread runs
+the episode coroutines (prompt building with ``ChatFormat``, which calls the tokenizer;
+turn records; admission). The consumer thread (here the main thread) runs grouping,
+batching and collation. The engine generates on its own thread and blocking env calls
+run on a thread pool, so neither is counted except for the engine's client-side calls
 (``engine.generate`` validating and submitting a request) and the env-call hand-off.
 
-Method, per repeat, on a FrozenLake pipeline (env stepped every turn):
+Method, per repeat, on a FrozenLake pipeline (env stepped every turn), for each of the
+two threads:
 
-1. Unprofiled run: the consumer thread's CPU time (``time.thread_time``) around
-   ``get_batch`` = ``main_cpu``. Waiting (select, GIL, futures) costs no CPU time.
-2. The same run under ``cProfile`` with ``time.thread_time`` as its timer, so the
-   profile counts CPU, not waiting. From it: ``excluded`` = time inside functions of
-   ``rollpipe/engines/`` and ``rollpipe/envs/`` entered from outside them (cumulative
-   time per caller edge, so nothing is counted twice).
+1. Unprofiled run: the thread's CPU time around ``get_batch`` = ``cpu`` (consumer:
+   ``time.thread_time``; rollout thread: utime+stime from ``/proc/self/task/<tid>/stat``).
+   Waiting (select, GIL, futures) costs no CPU time.
+2. The same run under ``cProfile`` (one profiler enabled in each thread) with
+   ``time.thread_time`` as its timer, so the profile counts CPU, not waiting. From it:
+   ``excluded`` = time inside functions of ``rollpipe/engines/`` and ``rollpipe/envs/``
+   entered from outside them (cumulative time per caller edge, so nothing counts twice).
 3. Profiler correction: the profiler's own cost per profiled call is
-   ``c = (profiled_total - main_cpu) / calls`` (same workload, same seed); each
-   excluded subtree is charged ``c`` times its estimated call count (its calls plus its
+   ``c = (profiled_total - cpu) / calls`` (same workload, same seed); each excluded
+   subtree is charged ``c`` times its estimated call count (its calls plus its
    callees', split by caller).
-4. ``overhead_cpu_ms_per_trajectory = (main_cpu - corrected excluded) / trajectories``.
+4. ``overhead_cpu_ms_per_trajectory`` = the sum over both threads of
+   ``cpu - corrected excluded``, divided by the trajectories.
    It includes the libraries rollpipe calls on its own behalf (tokenizer and Jinja for
    prompts, torch for rows, asyncio for scheduling, torchdata's node plumbing).
 
@@ -32,6 +35,7 @@ functions by self time, written to ``bench/results/latest_overhead.txt``.
 from __future__ import annotations
 
 import cProfile
+import os
 import pstats
 import time
 from collections.abc import Callable
@@ -123,16 +127,43 @@ def _config(ctx: BenchContext, n: int, seed: int) -> PipelineConfig:
     )
 
 
-def _drain(ctx: BenchContext, config: PipelineConfig, profile: cProfile.Profile | None) -> float:
+def _thread_cpu(native_id: int) -> float:
+    """CPU seconds (user + system) a thread of this process has used (Linux /proc)."""
+    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _enable(profile: cProfile.Profile) -> None:
+    profile.enable()  # runs on the rollout's loop thread: profiles that thread
+
+
+async def _disable(profile: cProfile.Profile) -> None:
+    profile.disable()
+
+
+def _drain(
+    ctx: BenchContext, config: PipelineConfig, profiles: dict[str, cProfile.Profile] | None
+) -> dict[str, float]:
+    """Run the pipeline to the end; CPU seconds of the consumer and rollout threads."""
     reset_prefix_cache(ctx.engine)
     with RolloutPipeline(config, ctx.engine, ctx.tokenizer) as pipe:
-        start = time.thread_time()
-        if profile is not None:
-            profile.enable()
+        rollout = pipe.nodes.rollout
+        rollout.state_dict()  # starts the rollout's loop thread (bench reaches internals)
+        assert rollout._runner is not None
+        tid = rollout._runner.thread.native_id
+        assert tid is not None
+        start, rollout_start = time.thread_time(), _thread_cpu(tid)
+        if profiles is not None:
+            profiles["consumer"].enable()
+            rollout._call(_enable(profiles["rollout"]))
         batch = pipe.get_batch(-1)
-        if profile is not None:
-            profile.disable()
-        cpu = time.thread_time() - start
+        if profiles is not None:
+            rollout._call(_disable(profiles["rollout"]))
+            profiles["consumer"].disable()
+        cpu = {
+            "consumer": time.thread_time() - start,
+            "rollout": _thread_cpu(tid) - rollout_start,
+        }
     if batch is None or len(batch) != config.batch_size:
         raise RuntimeError(f"overhead: pipeline returned {batch!r}")
     return cpu
@@ -144,28 +175,31 @@ def run(ctx: BenchContext) -> Figures:
     last: pstats.Stats | None = None
     for rep in range(ctx.repeats):
         config = _config(ctx, n, seed=rep)
-        main_cpu = _drain(ctx, config, None)
-        profile = cProfile.Profile(time.thread_time)
-        _drain(ctx, config, profile)
-        last = pstats.Stats(profile)
-        stats = last.stats  # type: ignore[attr-defined]
-        total = sum(tt for (_cc, _nc, tt, _ct, _callers) in stats.values())
-        n_calls = sum(nc for (_cc, nc, _tt, _ct, _callers) in stats.values())
-        per_call = max(0.0, (total - main_cpu) / n_calls) if n_calls else 0.0
-        subtree = _subtree_calls(stats)
-        excluded = _inclusive(stats, lambda f: _in(f, EXCLUDED), per_call, subtree)
-        share = max(0.0, 1.0 - excluded / main_cpu)
-        prompts = _inclusive(stats, lambda f: f[0] == f"{ROOT}/chat.py", per_call, subtree)
-        collate = _inclusive(stats, _is_collation, per_call, subtree)
-        shares.append(share)
-        prompt_share.append(prompts / main_cpu)
-        collate_share.append(collate / main_cpu)
-        per_traj.append(1e3 * main_cpu * share / n)
-        consumer.append(1e3 * main_cpu / n)
+        cpu = _drain(ctx, config, None)
+        profiles = {name: cProfile.Profile(time.thread_time) for name in cpu}
+        _drain(ctx, config, profiles)
+        own = prompts = collate = 0.0
+        for name, profile in profiles.items():
+            stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+            total = sum(tt for (_cc, _nc, tt, _ct, _callers) in stats.values())
+            n_calls = sum(nc for (_cc, nc, _tt, _ct, _callers) in stats.values())
+            per_call = max(0.0, (total - cpu[name]) / n_calls) if n_calls else 0.0
+            subtree = _subtree_calls(stats)
+            excluded = _inclusive(stats, lambda f: _in(f, EXCLUDED), per_call, subtree)
+            own += max(0.0, cpu[name] - excluded)
+            prompts += _inclusive(stats, lambda f: f[0] == f"{ROOT}/chat.py", per_call, subtree)
+            collate += _inclusive(stats, _is_collation, per_call, subtree)
+        last = pstats.Stats(profiles["rollout"]).add(profiles["consumer"])
+        both = sum(cpu.values())
+        shares.append(own / both if both else 0.0)
+        prompt_share.append(prompts / both if both else 0.0)
+        collate_share.append(collate / both if both else 0.0)
+        per_traj.append(1e3 * own / n)
+        consumer.append(1e3 * cpu["consumer"] / n)
         ctx.log(
-            f"  overhead rep {rep}: consumer-thread CPU {1e3 * main_cpu / n:.2f} ms/traj, "
-            f"rollpipe share {share:.2f} (prompts {prompts / main_cpu:.2f}, collate "
-            f"{collate / main_cpu:.2f}; profiler {1e6 * per_call:.1f} us/call) -> "
+            f"  overhead rep {rep}: CPU {1e3 * cpu['consumer'] / n:.2f} ms/traj consumer + "
+            f"{1e3 * cpu['rollout'] / n:.2f} rollout thread, rollpipe share {shares[-1]:.2f} "
+            f"(prompts {prompt_share[-1]:.2f}, collate {collate_share[-1]:.2f}) -> "
             f"{per_traj[-1]:.2f} ms/traj"
         )
     if ctx.results_dir is not None and last is not None:
@@ -178,7 +212,7 @@ def run(ctx: BenchContext) -> Figures:
     return {
         "overhead_cpu_ms_per_trajectory": rounded(median(per_traj)),
         "overhead_consumer_cpu_ms_per_trajectory": rounded(median(consumer)),
-        "overhead_rollpipe_share_of_consumer_cpu": rounded(median(shares)),
+        "overhead_rollpipe_share_of_thread_cpu": rounded(median(shares)),
         "overhead_prompt_share": rounded(median(prompt_share)),
         "overhead_collate_share": rounded(median(collate_share)),
         "overhead_trajectories": n,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 from collections import deque
 from collections.abc import Callable, Coroutine, Hashable
 from typing import Any, TypeVar
@@ -139,6 +140,8 @@ class Rollout(BaseNode[Trajectory]):
         self._requests_at_stop = 0  # replacement requests already pending when it stopped
         self._source_state: dict[str, Any] | None = None
         self._failure: BaseException | None = None
+        self._done: deque[tuple[int, asyncio.Task[Trajectory]]] = deque()  # finished tasks
+        self._changed = asyncio.Event()  # an episode finished, or a tick passed
         self._wake: asyncio.Event | None = None
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
@@ -199,22 +202,24 @@ class Rollout(BaseNode[Trajectory]):
 
     # -- the driver: admission and completion, in the background ----------------------
     async def _drive(self) -> None:
-        """Admit while there is room, collect finished episodes, wake ``next()``."""
+        """Admit while there is room, collect finished episodes, wake ``next()``.
+
+        Event driven: an episode's completion wakes it at once; a tick wakes it to look at
+        what other threads change (the gate, cancellations, replacement requests).
+        """
         assert self._wake is not None
+        loop = asyncio.get_running_loop()
         try:
             while True:
                 self._cancel_unwanted()
                 self._admit()
-                if self._live:
-                    done, _ = await asyncio.wait(
-                        set(self._live.values()),
-                        timeout=_TICK_S,
-                        return_when=asyncio.FIRST_COMPLETED,
-                    )
-                    self._collect(done)
-                else:
-                    await asyncio.sleep(_TICK_S)
-                self._wake.set()
+                if not self._done:
+                    tick = loop.call_later(_TICK_S, self._changed.set)
+                    await self._changed.wait()
+                    tick.cancel()
+                self._changed.clear()
+                if self._collect() or self._is_over():
+                    self._wake.set()
         except asyncio.CancelledError:
             raise
         except BaseException as error:  # an engine death or a re-raised env error
@@ -252,7 +257,9 @@ class Rollout(BaseNode[Trajectory]):
             if self.control.is_cancelled(spec.group_id):
                 self._finish(index, None)
             else:
-                self._live[index] = loop.create_task(self._run(spec))
+                task = loop.create_task(self._run(spec))
+                task.add_done_callback(functools.partial(self._on_done, index))
+                self._live[index] = task
 
     def _cancel_unwanted(self) -> None:
         cancelled = self.control.cancelled_groups()
@@ -266,9 +273,20 @@ class Rollout(BaseNode[Trajectory]):
         self._results[index] = result
         self._finish_order.append(index)
 
-    def _collect(self, done: set[asyncio.Task[Trajectory]]) -> None:
-        for index in [i for i, t in self._live.items() if t in done]:
-            task = self._live.pop(index)
+    def _on_done(self, index: int, task: asyncio.Task[Trajectory]) -> None:
+        """Done callback of an episode task: queue it for the driver and wake it."""
+        self._done.append((index, task))
+        self._changed.set()
+
+    def _collect(self) -> bool:
+        """Move finished episodes to the results; True if any finished."""
+        collected = False
+        while self._done:
+            index, task = self._done.popleft()
+            if self._live.get(index) is not task:  # stopped by a reset or close
+                continue
+            del self._live[index]
+            collected = True
             if task.cancelled():
                 self._finish(index, None)
                 continue
@@ -276,6 +294,7 @@ class Rollout(BaseNode[Trajectory]):
             if error is not None:
                 raise error
             self._finish(index, task.result())
+        return collected
 
     def _new_requests(self) -> bool:
         """Replacement groups were requested since the source last ran dry."""
@@ -314,6 +333,7 @@ class Rollout(BaseNode[Trajectory]):
                 raise self._failure
             item = self._pop_ready()
             if item is not None:
+                self._changed.set()  # room in the buffer: the driver may admit more
                 return item
             if self._is_over():
                 return _END
