@@ -110,7 +110,7 @@ def summary_row(index: int, metrics: dict[str, float]) -> list[str]:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the summary readable
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the summary readable
     warnings.filterwarnings("ignore", category=FutureWarning)
     from torchdata.nodes import Mapper
     from transformers import AutoTokenizer
