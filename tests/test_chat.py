@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import pytest
@@ -123,3 +124,30 @@ def test_tokenizer_without_chat_template_is_rejected(tokenizer: Any) -> None:
     bare.chat_template = None
     with pytest.raises(ValueError, match="chat_template"):
         ChatFormat(bare)
+
+
+@FIXTURE_OK
+@given(observations=st.lists(st.sampled_from(["a", "b", "P_G", "grid\nrow"]) | TEXT, max_size=12))
+def test_cached_prompts_equal_fresh_renderings(tokenizer: Any, observations: list[str]) -> None:
+    """The per-observation caches never change what a prompt is, even when a caller
+    mutates the list it got back (every call returns a new list)."""
+    shared = ChatFormat(tokenizer)
+    for obs in observations:
+        fresh = ChatFormat(tokenizer)
+        first, cont = shared.first_prompt(obs), shared.continuation(obs, [5])
+        assert first == fresh.first_prompt(obs)
+        assert cont == fresh.continuation(obs, [5])
+        first.append(-1)
+        cont.clear()
+        assert shared.first_prompt(obs) == fresh.first_prompt(obs)
+        assert shared.continuation(obs, [5]) == fresh.continuation(obs, [5])
+
+
+def test_chat_format_pickles_with_its_settings(tokenizer: Any) -> None:
+    chat = ChatFormat(tokenizer, system_prompt="Be brief.", history_window=2)
+    chat.first_prompt("warm the cache")
+    back = pickle.loads(pickle.dumps(chat))
+    assert back == chat
+    assert back.eot_id == chat.eot_id
+    assert back.first_prompt("x") == chat.first_prompt("x")
+    assert back.continuation("y", [5]) == chat.continuation("y", [5])

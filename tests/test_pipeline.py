@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rollpipe.envs import FrozenLake, register
+from rollpipe.nodes.episodes import EpisodeSource
 from rollpipe.pipeline import PipelineConfig, RolloutPipeline
 
 SAMPLING = {"max_tokens": 16, "temperature": 1.0}
@@ -150,14 +151,14 @@ def test_suspend_from_another_thread_while_a_batch_fills(vllm_engine, tokenizer,
 
 
 class FlakyLake:
-    """FrozenLake whose step raises for even seeds: a stand-in for a crashing env."""
+    """FrozenLake whose step raises for ``CRASH_SEEDS``: a stand-in for a crashing env."""
 
     def __init__(self) -> None:
         self.inner = FrozenLake()
         self.crash = False
 
     def reset(self, seed: int):
-        self.crash = seed % 2 == 0
+        self.crash = seed in CRASH_SEEDS
         return self.inner.reset(seed)
 
     def step(self, action_text: str):
@@ -172,15 +173,23 @@ class FlakyLake:
 register("flaky_lake", FlakyLake, overwrite=True)
 
 
+FLAKY = config(
+    envs="flaky_lake", group_size=2, batch_size=2, num_groups=4, max_turns=1, on_length="step"
+)
+# Two of the four groups' env seeds: their episodes crash at their first step.
+CRASH_SEEDS = {spec.seed for spec in EpisodeSource(4, 2, FLAKY.seed, "flaky_lake")}
+CRASH_SEEDS = set(sorted(CRASH_SEEDS)[::2])
+
+
 def test_erroring_env_drops_group_and_goes_on(vllm_engine, tokenizer):
-    cfg = config(envs="flaky_lake", group_size=2, batch_size=2, num_groups=4, max_turns=1)
+    cfg = FLAKY
     with RolloutPipeline(cfg, vllm_engine, tokenizer) as pipe:
         batches = list(pipe)
     # dropped groups were replaced, so all 4 requested groups arrive
     assert len(batches) == 4
     errored = sum(b.meta_info["metrics"]["dropped/errored"] for b in batches)
     errored += pipe.nodes.groups.pending_drops.get("errored", 0)
-    assert errored >= 1
+    assert errored >= len(CRASH_SEEDS)
     for b in batches:
         assert "error" not in set(b.non_tensor_batch["end_reasons"])
 

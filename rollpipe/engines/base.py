@@ -140,13 +140,13 @@ def check_prompt(prompt_ids: Sequence[int], vocab_size: int | None = None) -> li
     if isinstance(prompt_ids, torch.Tensor):
         prompt_ids = prompt_ids.tolist()
     try:
-        ids = [int(t) for t in prompt_ids]
+        ids = list(map(int, prompt_ids))
     except (TypeError, ValueError) as e:
         raise ValueError(f"prompt_ids must be a sequence of ints, got {prompt_ids!r}") from e
     if not ids:
         raise ValueError("prompt_ids is empty; a prompt needs at least one token")
-    bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
-    if bad:
+    if min(ids) < 0 or (vocab_size is not None and max(ids) >= vocab_size):
+        bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
         raise ValueError(
             f"prompt_ids holds ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
         )
