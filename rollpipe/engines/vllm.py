@@ -75,7 +75,8 @@ class VLLMEngine(BaseEngine):
     fraction of host RAM, KV blocks hold 32 tokens rather than 128 (prefix caching
     reuses whole blocks, so multi-turn prompts recompute less), and the engine computes
     with ``cpu_threads`` torch threads (default 1 unless ``OMP_NUM_THREADS`` is set;
-    only the engine's own thread or process is affected). Extra ``engine_kwargs`` go to vLLM's ``EngineArgs``.
+    only the engine's own thread or process is affected). Extra ``engine_kwargs`` go to
+    vLLM's ``EngineArgs``.
     """
 
     def __init__(
