@@ -75,7 +75,7 @@ class PipelineConfig:
     max_turns: int = attrs.field(default=5, validator=int_at_least(1))
     max_length: int = attrs.field(default=1024, validator=int_at_least(1))
     concurrency: int = attrs.field(default=32, validator=int_at_least(1))
-    env_workers: int = attrs.field(default=4, validator=int_at_least(1))
+    env_workers: int = attrs.field(default=0, validator=int_at_least(0))
     sampling: SamplingParams = attrs.field(
         factory=lambda: SamplingParams(max_tokens=48), converter=_sampling
     )

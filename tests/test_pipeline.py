@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -234,6 +235,8 @@ def test_bad_configuration_names_the_field():
         PipelineConfig.from_dict({"colour": "red"})
     with pytest.raises(ValueError, match=r"sampling: unknown keys \['temp'\]"):
         PipelineConfig(sampling={"temp": 1.0})
+    with pytest.raises(ValueError, match="env_workers must be an int >= 0, got -1"):
+        PipelineConfig(env_workers=-1)
 
 
 def test_step_level_rows(vllm_engine, tokenizer):
@@ -307,3 +310,34 @@ def test_collection_continues_between_batches(vllm_engine, tokenizer):
             time.sleep(0.1)  # "training": nobody asks for data
         assert pipe.nodes.rollout.num_buffered >= 4
         assert len(pipe.get_batch()) == 8
+
+
+class ThreadNotingLake(FrozenLake):
+    """FrozenLake that notes which thread ran each of its calls."""
+
+    threads: ClassVar[set[str]] = set()
+
+    def reset(self, seed: int):
+        ThreadNotingLake.threads.add(threading.current_thread().name)
+        return super().reset(seed)
+
+    def step(self, action_text: str):
+        ThreadNotingLake.threads.add(threading.current_thread().name)
+        return super().step(action_text)
+
+
+register("thread_noting_lake", ThreadNotingLake, overwrite=True)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_env_calls_run_inline_or_on_the_env_pool(vllm_engine, tokenizer, workers):
+    ThreadNotingLake.threads = set()
+    cfg = config(envs="thread_noting_lake", num_groups=2, env_workers=workers)
+    with RolloutPipeline(cfg, vllm_engine, tokenizer) as pipe:
+        assert_valid(pipe.get_batch(), 8)
+    if workers == 0:  # inline on the rollout's event-loop thread
+        assert ThreadNotingLake.threads == {"rollpipe-rollout"}
+    else:
+        assert ThreadNotingLake.threads and all(
+            name.startswith("rollpipe-env") for name in ThreadNotingLake.threads
+        )

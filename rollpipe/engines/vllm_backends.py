@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import io
 import os
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
 __all__ = ["AsyncBackend", "InprocBackend", "VLLMBackend", "reload_weights_on_worker"]
 
 _REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+BURST_GAP_S = 0.002  # an idle engine starts once submissions pause this long...
+BURST_MAX_S = 0.02  # ...or after this long, whichever comes first
 
 
 def reload_weights_on_worker(
@@ -196,11 +199,24 @@ class InprocBackend:
         if not self.active:
             self.idle.set()
 
+    async def _gather_burst(self) -> None:
+        """After waking from idle, wait while requests keep arriving (gaps under
+        ``BURST_GAP_S``, at most ``BURST_MAX_S`` in all), so a burst of submissions — a
+        whole wave of episodes starting their turn — is prefilled in one step rather
+        than trickling into several small ones."""
+        deadline = time.perf_counter() + BURST_MAX_S
+        while time.perf_counter() < deadline:
+            seen = len(self.active)
+            await asyncio.sleep(BURST_GAP_S)
+            if len(self.active) == seen:
+                return
+
     async def _step_loop(self) -> None:
         while True:
             if not self.active or self.mode in ("keep", "abort"):
                 self.wake.clear()
                 await self.wake.wait()
+                await self._gather_burst()
                 continue
             try:
                 outputs = self.llm.step()

@@ -59,7 +59,7 @@ class Rollout(BaseNode[Trajectory]):
         concurrency: episodes in flight at once.
         env_factory: builds an env for a spec (default: the registry). Instances are
             pooled and reused; ``env_ids`` in the rows name the instance.
-        env_workers: threads for blocking env calls.
+        env_workers: threads for a ``TextEnv``'s calls; 0 runs them inline on the loop.
         in_order: yield in admission order (reproducible) or completion order.
         max_buffered: finished trajectories held, not yet yielded, before admission
             pauses (default ``4 * concurrency``).
@@ -78,7 +78,7 @@ class Rollout(BaseNode[Trajectory]):
         max_length: int = 1024,
         concurrency: int = 32,
         env_factory: EnvFactory | None = None,
-        env_workers: int = 4,
+        env_workers: int = 0,
         in_order: bool = True,
         max_buffered: int | None = None,
         control: RolloutControl | None = None,
@@ -89,10 +89,13 @@ class Rollout(BaseNode[Trajectory]):
             ("max_turns", max_turns),
             ("max_length", max_length),
             ("concurrency", concurrency),
-            ("env_workers", env_workers),
         ):
             if value < 1:
                 raise ValueError(f"Rollout: {name} must be >= 1, got {value}")
+        if env_workers < 0:
+            raise ValueError(
+                f"Rollout: env_workers must be >= 0 (0: env calls inline), got {env_workers}"
+            )
         self.source = source
         self.engine = engine
         self.chat = chat if isinstance(chat, ChatFormat) else ChatFormat(chat)
@@ -122,9 +125,10 @@ class Rollout(BaseNode[Trajectory]):
             raise RuntimeError("Rollout is closed; build a new one")
         if self._runner is None:
             self._runner = LoopThread("rollpipe-rollout")
-            self._executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=self.env_workers, thread_name_prefix="rollpipe-env"
-            )
+            if self.env_workers > 0:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=self.env_workers, thread_name_prefix="rollpipe-env"
+                )
         return asyncio.run_coroutine_threadsafe(coro, self._runner.loop).result()
 
     # -- bookkeeping (loop thread only) -----------------------------------------------
