@@ -113,6 +113,10 @@ class LengthBySeed:
     def is_paused(self) -> bool:
         return self.inner.is_paused
 
+    @property
+    def loop_thread(self) -> Any:
+        return getattr(self.inner, "loop_thread", None)
+
     def _params(self, params: SamplingParams) -> SamplingParams:
         n = min(length_for(params.seed, self.scale), params.max_tokens)
         return params.replace(max_tokens=n, ignore_eos=True, stop_token_ids=())

@@ -2,10 +2,16 @@
 
 Where rollpipe's own work runs: two threads. The Rollout node's event-loop thread runs
 the episode coroutines (prompt building with ``ChatFormat``, which calls the tokenizer;
-turn records; admission). The consumer thread (here the main thread) runs grouping,
-batching and collation. The engine generates on its own thread and blocking env calls
-run on a thread pool, so neither is counted except for the engine's client-side calls
-(``engine.generate`` validating and submitting a request) and the env-call hand-off.
+turn records; admission) and, inline, the env calls, whose time inside
+``rollpipe/envs/`` is excluded. The consumer thread (here the main thread) runs
+grouping, batching and collation. The engine generates on its own thread, not counted,
+nor are the engine's client-side calls (``rollpipe/engines/``: ``engine.generate``
+validating and submitting a request).
+
+By default the episodes run on the engine's own event-loop thread (``engine_loop=True``).
+Here they run on a thread of their own (``engine_loop=False``) so that a thread's CPU
+time separates rollpipe's work from vLLM's: the code run per turn is the same, plus a
+thread hop per request in ``rollpipe/engines/`` (excluded below) that the default avoids.
 
 Method, per repeat, on a FrozenLake pipeline (env stepped every turn), for each of the
 two threads:
@@ -124,6 +130,7 @@ def _config(ctx: BenchContext, n: int, seed: int) -> PipelineConfig:
         concurrency=min(n, 64),
         sampling=SamplingParams(max_tokens=24),
         on_length="step",
+        engine_loop=False,  # episodes on a thread of their own: see the module docstring
     )
 
 

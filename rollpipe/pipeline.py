@@ -76,6 +76,7 @@ class PipelineConfig:
     max_length: int = attrs.field(default=1024, validator=int_at_least(1))
     concurrency: int = attrs.field(default=32, validator=int_at_least(1))
     env_workers: int = attrs.field(default=0, validator=int_at_least(0))
+    engine_loop: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     sampling: SamplingParams = attrs.field(
         factory=lambda: SamplingParams(max_tokens=48), converter=_sampling
     )
@@ -178,6 +179,7 @@ def build_nodes(
         max_length=config.max_length,
         concurrency=config.concurrency,
         env_workers=config.env_workers,
+        engine_loop=config.engine_loop,
         in_order=config.redundancy == 0 if config.in_order is None else config.in_order,
         control=control,
         raise_env_errors=config.raise_env_errors,

@@ -329,15 +329,30 @@ class ThreadNotingLake(FrozenLake):
 register("thread_noting_lake", ThreadNotingLake, overwrite=True)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_env_calls_run_inline_or_on_the_env_pool(vllm_engine, tokenizer, workers):
+@pytest.mark.parametrize(("workers", "engine_loop"), [(0, True), (0, False), (2, True)])
+def test_env_calls_run_inline_or_on_the_env_pool(vllm_engine, tokenizer, workers, engine_loop):
+    """Episodes run on the engine's loop thread (or their own with ``engine_loop=False``);
+    env calls run inline there, or on the env pool when ``env_workers > 0``."""
+    from torchdata.nodes import Loader
+
+    from rollpipe.nodes.rollout import Rollout
+
     ThreadNotingLake.threads = set()
-    cfg = config(envs="thread_noting_lake", num_groups=2, env_workers=workers)
-    with RolloutPipeline(cfg, vllm_engine, tokenizer) as pipe:
-        assert_valid(pipe.get_batch(), 8)
-    if workers == 0:  # inline on the rollout's event-loop thread
-        assert ThreadNotingLake.threads == {"rollpipe-rollout"}
+    rollout = Rollout(
+        EpisodeSource(2, 2, seed=1, envs="thread_noting_lake"),
+        vllm_engine,
+        tokenizer,
+        max_turns=2,
+        sampling=config().sampling,
+        env_workers=workers,
+        engine_loop=engine_loop,
+    )
+    assert len(list(Loader(rollout))) == 4
+    rollout.close()
+    if workers:
+        assert ThreadNotingLake.threads
+        assert all(name.startswith("rollpipe-env") for name in ThreadNotingLake.threads)
+    elif engine_loop:
+        assert ThreadNotingLake.threads == {vllm_engine.loop_thread.thread.name}
     else:
-        assert ThreadNotingLake.threads and all(
-            name.startswith("rollpipe-env") for name in ThreadNotingLake.threads
-        )
+        assert ThreadNotingLake.threads == {"rollpipe-rollout"}

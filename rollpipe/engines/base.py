@@ -181,6 +181,12 @@ class BaseEngine:
         return self._closed
 
     @property
+    def loop_thread(self) -> LoopThread:
+        """The engine's event-loop thread. Coroutines running on it (a ``Rollout``'s
+        episodes, by default) reach the engine without a thread hop."""
+        return self._runner
+
+    @property
     def is_paused(self) -> bool:
         raise NotImplementedError
 
@@ -272,6 +278,9 @@ class BaseEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         prompt = check_prompt(prompt_ids, self._vocab_size())
+        if self._runner.in_loop_thread():  # already on the engine loop: no hop
+            self._check_open()
+            return await self._generate(prompt, params)
         return await asyncio.wrap_future(self._submit(self._generate(prompt, params)))
 
     def generate_batch(

@@ -1,9 +1,12 @@
 """Rollout: many episodes at once, every live request in flight together.
 
 Each episode is a coroutine (``rollpipe.episode.run_episode``). Up to ``concurrency``
-run on the node's own event-loop thread, so all of their engine requests reach the
-engine together and its continuous batching does the batching: no lockstep turns, and
-a long episode never holds back the others. Blocking env calls run on a thread pool.
+run on one event loop, so all of their engine requests reach the engine together and
+its continuous batching does the batching: no lockstep turns, and a long episode never
+holds back the others. The loop is the engine's own (``engine.loop_thread``) by default:
+between two engine steps, the episodes whose turn just ended build and submit their
+next request, which joins the very next step; no thread hop, no GIL hand-offs. Env
+calls run inline on that loop, or on a thread pool with ``env_workers > 0``.
 
 Collection continues in the background between ``next()`` calls — while the trainer
 computes — up to ``max_buffered`` finished trajectories; ``suspend()`` (the admission
@@ -26,7 +29,7 @@ from typing import Any, TypeVar
 from torchdata.nodes import BaseNode
 
 from rollpipe.chat import ChatFormat
-from rollpipe.engines.base import Engine, SamplingParams
+from rollpipe.engines.base import Engine, EngineClosedError, SamplingParams
 from rollpipe.envs import make as make_env
 from rollpipe.episode import run_episode
 from rollpipe.loop_thread import LoopThread
@@ -64,6 +67,11 @@ class Rollout(BaseNode[Trajectory]):
         max_buffered: finished trajectories held, not yet yielded, before admission
             pauses (default ``4 * concurrency``).
         control: shared :class:`RolloutControl` (admission gate, cancelled groups).
+        engine_loop: run the episodes on the engine's own event-loop thread when it has
+            one (``engine.loop_thread``: every ``BaseEngine``), so a finished turn's next
+            request reaches the engine before its next step, with no thread hop and no
+            GIL hand-offs between two busy threads; ``False`` (or an engine without
+            one) gives the rollout a thread of its own.
         episode_kwargs: passed to ``run_episode`` (``raise_env_errors``, ``on_length``...).
     """
 
@@ -82,6 +90,7 @@ class Rollout(BaseNode[Trajectory]):
         in_order: bool = True,
         max_buffered: int | None = None,
         control: RolloutControl | None = None,
+        engine_loop: bool = True,
         **episode_kwargs: Any,
     ) -> None:
         super().__init__()
@@ -108,8 +117,10 @@ class Rollout(BaseNode[Trajectory]):
         self.in_order = in_order
         self.max_buffered = max_buffered or 4 * concurrency
         self.control = control or RolloutControl()
+        self.engine_loop = engine_loop
         self.episode_kwargs = episode_kwargs
         self._runner: LoopThread | None = None
+        self._owns_runner = False
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._driver: asyncio.Task[None] | None = None
         self._free_envs: dict[Hashable, list[tuple[int, Any]]] = {}
@@ -124,12 +135,44 @@ class Rollout(BaseNode[Trajectory]):
             coro.close()
             raise RuntimeError("Rollout is closed; build a new one")
         if self._runner is None:
-            self._runner = LoopThread("rollpipe-rollout")
+            shared = getattr(self.engine, "loop_thread", None) if self.engine_loop else None
+            self._owns_runner = shared is None
+            self._runner = shared or LoopThread("rollpipe-rollout")
             if self.env_workers > 0:
                 self._executor = concurrent.futures.ThreadPoolExecutor(
                     max_workers=self.env_workers, thread_name_prefix="rollpipe-env"
                 )
-        return asyncio.run_coroutine_threadsafe(coro, self._runner.loop).result()
+        if self._runner.in_loop_thread():
+            coro.close()
+            raise RuntimeError(
+                "Rollout blocks for its results; call it from another thread than the "
+                "event loop its episodes run on"
+            )
+        if not self._runner_alive():
+            coro.close()
+            raise self._engine_gone()
+        future = asyncio.run_coroutine_threadsafe(coro, self._runner.loop)
+        while True:  # in slices: a shared engine loop may stop under the call
+            try:
+                return future.result(timeout=None if self._owns_runner else 0.5)
+            except concurrent.futures.TimeoutError:
+                if not self._runner_alive():
+                    future.cancel()
+                    raise self._engine_gone() from None
+            except concurrent.futures.CancelledError:
+                if self._owns_runner:
+                    raise
+                raise self._engine_gone() from None
+
+    def _runner_alive(self) -> bool:
+        runner = self._runner
+        return runner is not None and runner.thread.is_alive() and not runner.loop.is_closed()
+
+    def _engine_gone(self) -> EngineClosedError:
+        return EngineClosedError(
+            f"{type(self.engine).__name__} was closed, and its event loop ran this rollout's "
+            "episodes; build a new engine and pipeline"
+        )
 
     # -- bookkeeping (loop thread only) -----------------------------------------------
     def _clear(self) -> None:
@@ -279,6 +322,8 @@ class Rollout(BaseNode[Trajectory]):
 
     def _on_done(self, index: int, task: asyncio.Task[Trajectory]) -> None:
         """Done callback of an episode task: queue it for the driver and wake it."""
+        if not task.cancelled():
+            task.exception()  # retrieved: the driver re-raises it, unless the loop stops first
         self._done.append((index, task))
         self._changed.set()
 
@@ -369,8 +414,10 @@ class Rollout(BaseNode[Trajectory]):
         if self._closed:
             return
         if self._runner is not None:
-            self._call(self._stop_all())
-            self._runner.stop()
+            if self._runner_alive():  # (a closed engine's loop is not)
+                self._call(self._stop_all())
+            if self._owns_runner:
+                self._runner.stop()
         self._closed = True
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
