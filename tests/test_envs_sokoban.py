@@ -126,3 +126,22 @@ def test_room_text_round_trip_and_errors() -> None:
         Room.from_text("####\n#P$#\n####")
     with pytest.raises(ValueError, match="rectangular"):
         Room.from_text("####\n#PXO#\n####")
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_group_members_share_a_room_but_never_each_others_moves(seed: int) -> None:
+    """Envs reset with one seed get the same room (generated once); playing one of them
+    leaves the other, and the next reset, at the start state."""
+    a, b = Sokoban(dim_room=(6, 6), num_boxes=1), Sokoban(dim_room=(6, 6), num_boxes=1)
+    obs_a, _ = a.reset(seed)
+    obs_b, _ = b.reset(seed)
+    assert obs_a == obs_b
+    start = b.room
+    plan = solve(start)
+    assert plan  # generated rooms are solvable
+    for action in plan:
+        a.step(f"<answer>{action}</answer>")
+    assert a.room.solved and not start.solved
+    assert b.room == start
+    assert a.reset(seed)[0] == obs_a

@@ -10,6 +10,7 @@ deterministic.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar
 
 import attrs
@@ -57,6 +58,17 @@ class SokobanConfig(TextEnvConfig):
                 f"the inner area (h-2)*(w-2) needs at least {need} cells"
             )
 
+
+
+@functools.lru_cache(maxsize=1024)
+def room_for_seed(dim_room: tuple[int, int], num_boxes: int, seed: int) -> Room:
+    """The room ``seed`` generates, made once: a GRPO group's members share their seed,
+    and generation (about 1 ms) is most of a reset. Rooms are immutable (a push copies
+    ``boxes``); the cached arrays are made read-only to keep it so."""
+    room = generate_room(dim_room, num_boxes, np.random.default_rng([seed, 0]))
+    for grid in (room.walls, room.targets, room.boxes):
+        grid.flags.writeable = False
+    return room
 
 class Sokoban(GridTextEnv):
     """Sokoban text env; ``level`` (a ``# _ O X * P S`` grid) overrides dim_room/num_boxes."""
@@ -113,8 +125,7 @@ class Sokoban(GridTextEnv):
         if self._fixed is not None:
             self.room = self._fixed
             return
-        rng = np.random.default_rng([seed, 0])
-        self.room = generate_room(self.config.dim_room, self.config.num_boxes, rng)
+        self.room = room_for_seed(self.config.dim_room, self.config.num_boxes, seed)
 
     def _apply(self, action: str) -> tuple[float, bool, str]:
         room = self.room
