@@ -59,7 +59,6 @@ class SokobanConfig(TextEnvConfig):
             )
 
 
-
 @functools.lru_cache(maxsize=1024)
 def room_for_seed(dim_room: tuple[int, int], num_boxes: int, seed: int) -> Room:
     """The room ``seed`` generates, made once: a GRPO group's members share their seed,
@@ -69,6 +68,7 @@ def room_for_seed(dim_room: tuple[int, int], num_boxes: int, seed: int) -> Room:
     for grid in (room.walls, room.targets, room.boxes):
         grid.flags.writeable = False
     return room
+
 
 class Sokoban(GridTextEnv):
     """Sokoban text env; ``level`` (a ``# _ O X * P S`` grid) overrides dim_room/num_boxes."""
