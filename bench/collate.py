@@ -183,7 +183,7 @@ def run(ctx: BenchContext, n: int | None = None, max_len: int = 4096) -> Figures
     t_collate, t_concat, t_memcpy, t_warm = [], [], [], []
     equal = True
     nbytes = 0
-    for rep in range(ctx.repeats):
+    for rep in range(ctx.repeats_for()):
         gc.collect()
         dt, rows = timed(lambda: trajectory_rows(trajs, PAD_ID))
         t_collate.append(dt)

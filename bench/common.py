@@ -43,13 +43,18 @@ class BenchContext:
     tokenizer: Any
     model_path: Path
     quick: bool = True
-    repeats: int = 3
+    repeats: int | None = None  # None: each benchmark's own default (``repeats_for``)
     log: Callable[[str], None] = attrs.field(default=print)
     results_dir: Path | None = None  # where side reports go (None: nowhere)
 
     def __attrs_post_init__(self) -> None:
-        if self.repeats < 1:
-            raise ValueError(f"BenchContext.repeats must be >= 1, got {self.repeats}")
+        if self.repeats is not None and self.repeats < 1:
+            raise ValueError(f"BenchContext.repeats must be >= 1 or None, got {self.repeats}")
+
+    def repeats_for(self, default: int = 3) -> int:
+        """Repeats of a benchmark: ``repeats`` when given, else its ``default`` (the
+        ratios judged against a target near 1 take 5: their repeats vary most)."""
+        return default if self.repeats is None else self.repeats
 
     @property
     def engine(self) -> Engine:

@@ -62,7 +62,7 @@ def run(ctx: BenchContext, levels: tuple[int, ...] = LEVELS) -> Figures:
     out: Figures = {"concurrency_turns": turns, "concurrency_k": k}
     for c in levels:
         tps, trps, peaks, growth = [], [], [], []
-        for rep in range(ctx.repeats):
+        for rep in range(ctx.repeats_for()):
             seconds, n, tokens, rss = one_level(ctx, c, turns, k, seed=rep)
             tps.append(tokens / seconds)
             trps.append(n / seconds)

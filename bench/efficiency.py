@@ -115,7 +115,7 @@ def run(
     out: Figures = {"efficiency_episodes": n, "efficiency_turns": turns, "efficiency_k": k}
     for env in envs:
         ratios, pipe_tps, raw_tps = [], [], []
-        for rep in range(ctx.repeats):
+        for rep in range(ctx.repeats_for(5)):
             reset_prefix_cache(ctx.engine)
             p_s, p_tok, trajs = pipeline_arm(ctx, env, n, turns, k, seed=rep)
             by_turn = requests_by_turn(trajs)

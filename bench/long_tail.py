@@ -288,7 +288,7 @@ def run(ctx: BenchContext) -> Figures:
     engine = LengthBySeed(ctx.engine, scale=0.5 if ctx.quick else 1.0)
     ratios, fast_tps, slow_tps = [], [], []
     equal = True
-    for rep in range(ctx.repeats):
+    for rep in range(ctx.repeats_for(5)):
         config = PipelineConfig(
             envs=ENV,
             group_size=4,

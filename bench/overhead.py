@@ -180,7 +180,7 @@ def run(ctx: BenchContext) -> Figures:
     n = 64 if ctx.quick else 256
     per_traj, shares, prompt_share, collate_share, consumer = [], [], [], [], []
     last: pstats.Stats | None = None
-    for rep in range(ctx.repeats):
+    for rep in range(ctx.repeats_for()):
         config = _config(ctx, n, seed=rep)
         cpu = _drain(ctx, config, None)
         profiles = {name: cProfile.Profile(time.thread_time) for name in cpu}

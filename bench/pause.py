@@ -133,7 +133,7 @@ def run(ctx: BenchContext) -> Figures:
     consumer = threading.Thread(target=pipe.get_batch, args=(-1,), name="bench-consumer")
     consumer.start()
     try:
-        for rep in range(ctx.repeats):
+        for rep in range(ctx.repeats_for()):
             for sync in (False, True):
                 wait_for(lambda: engine.count >= IN_FLIGHT, 120, f"{IN_FLIGHT} requests in flight")
                 time.sleep(0.2)  # let them decode a little

@@ -105,7 +105,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=",".join(BENCHMARKS),
         help=f"comma-separated subset of {','.join(BENCHMARKS)}",
     )
-    parser.add_argument("--repeats", type=int, default=3, help="repeats per figure (>= 1)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="repeats per figure (>= 1); default 5 for efficiency and long_tail, 3 for the rest",
+    )
     parser.add_argument("--out-dir", type=Path, default=RESULTS, help="where results go")
     parser.add_argument("--no-write", action="store_true", help="print only, write nothing")
     args = parser.parse_args(argv)
@@ -113,7 +118,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     unknown = sorted(set(chosen) - set(BENCHMARKS))
     if unknown:
         parser.error(f"--only: unknown benchmarks {unknown}; choose from {list(BENCHMARKS)}")
-    if args.repeats < 1:
+    if args.repeats is not None and args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     args.only = [b for b in BENCHMARKS if b in chosen]
     return args
@@ -135,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> Figures:
         "date": today(),
         "command": "python -m bench.run" + (" --quick" if args.quick else ""),
         "mode": "quick" if args.quick else "full",
-        "repeats": args.repeats,
+        "repeats": args.repeats or "5 (efficiency, long tail), 3 (others)",
     }
     model_path = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
