@@ -7,15 +7,18 @@ padded ``[B, L]`` rows, run side by side in every repeat:
 
 * **collate** — ``rollpipe.formulation.trajectory_rows`` (what the ``Collate`` node runs).
 * **per-row concat** (the verl/ROLL way) — for each trajectory, build its tensors
-  (``torch.tensor`` per turn segment, ``torch.cat``), right-pad every field to the
-  batch's longest row ``L`` (ROLL pads to its configured ``sequence_length``, which is
-  at least ``L``: padding to ``L`` is the cheapest version), wrap them in a one-row
+  (per turn segment, from the same packed arrays collate reads; ``torch.cat``),
+  right-pad every field to the batch's longest row ``L`` (ROLL pads to its configured
+  ``sequence_length``, which is at least ``L``: padding to ``L`` is the cheapest
+  version), wrap them in a one-row
   ``DataProto.from_dict`` (same 12 tensor fields and 5 object columns), then one
   ``DataProto.concat`` of all rows. Its tensors are checked equal to collate's.
 * **memcpy bound** — the bytes of collate's output tensors (all 12 fields), written
   by one ``torch.cat`` of ``n`` contiguous per-row byte pieces that already exist,
-  into a fresh output (as collate's outputs are fresh: page faults included). The
-  same copy into the already-touched output is reported as ``collate_memcpy_warm_ms``
+  into a fresh output (as collate's outputs are fresh: page faults included); the
+  fastest of 3 such copies, since first-touch page faults on this kind of VM vary by
+  10x from one copy to the next. The same copy into the already-touched output is
+  reported as ``collate_memcpy_warm_ms``
   (pure copy bandwidth; on this kind of VM first-touching memory costs more than the
   copy and varies a lot from run to run).
 
@@ -95,10 +98,12 @@ def per_row_proto(traj: Trajectory, length: int) -> DataProto:
     """One trajectory as a one-row DataProto padded to ``length`` (the verl/ROLL way)."""
     ids, resp, lp, ver = [], [], [], []
     for u in traj.turns:
-        p, r = torch.tensor(u.prompt_ids), torch.tensor(u.response_ids)
+        # the turn's packed arrays, as collate gets them: no Python-int conversion either
+        both = torch.from_numpy(u.token_array.copy())
+        p, r = both[: len(u.prompt_ids)], both[len(u.prompt_ids) :]
         ids += [p, r]
         resp += [torch.zeros(len(p), dtype=torch.bool), torch.ones(len(r), dtype=torch.bool)]
-        lp += [torch.zeros(len(p)), torch.tensor(u.logprobs, dtype=torch.float32)]
+        lp += [torch.zeros(len(p)), torch.from_numpy(u.logprob_array.copy())]
         ver += [torch.full((len(p),), -1), torch.tensor(u.versions)]
     input_ids = torch.cat(ids)
     response_mask = torch.cat(resp)
@@ -157,13 +162,19 @@ def memcpy_pieces(total_bytes: int, n_rows: int) -> list[torch.Tensor]:
     return list(torch.split(source, sizes))
 
 
-def time_memcpy(nbytes: int, n_rows: int) -> tuple[float, float]:
-    """Seconds of one ``torch.cat`` of ``n_rows`` pieces into a fresh output, then into
-    the same (now touched) output again."""
+def time_memcpy(nbytes: int, n_rows: int, tries: int = 3) -> tuple[float, float]:
+    """Seconds of one ``torch.cat`` of ``n_rows`` pieces into a fresh output (the fastest
+    of ``tries``: a bound, and first-touch page faults here vary by 10x between
+    tries), then into the same (now touched) output again."""
     pieces = memcpy_pieces(nbytes, n_rows)
-    fresh, out = timed(lambda: torch.cat(pieces))
+    times = []
+    for _ in range(tries):
+        out = None
+        gc.collect()
+        dt, out = timed(lambda: torch.cat(pieces))
+        times.append(dt)
     warm, _ = timed(lambda: torch.cat(pieces, out=out))
-    return fresh, warm
+    return min(times), warm
 
 
 def same_tensors(a: DataProto, b: DataProto) -> bool:

@@ -66,18 +66,16 @@ class _Stream:
 
     ``ids`` holds each trajectory's segments (prompt 0, response 0, prompt 1, ...) one
     trajectory after another; ``logprobs`` and ``versions`` hold only the response tokens,
-    in the same order. ``starts[k]`` is where trajectory ``k`` begins in ``ids``. Python
-    ints and floats are converted by ``np.fromiter`` straight from the turns' tuples (no
-    intermediate list), the one per-token cost of collation.
+    in the same order. ``starts[k]`` is where trajectory ``k`` begins in ``ids``. Each
+    ``Turn`` carries its ids and logprobs packed as arrays (made when the turn was
+    recorded), so this is one concatenation per field, at memory-copy speed.
     """
 
     def __init__(self, trajectories: Sequence[Trajectory]) -> None:
         turns = [u for t in trajectories for u in t.turns]
-        segments = [s for u in turns for s in (u.prompt_ids, u.response_ids)]
-        n_ids = sum(map(len, segments))
         n_resp = sum(len(u.response_ids) for u in turns)
-        self.ids = _flat(segments, np.int64, n_ids)
-        self.logprobs = _flat([u.logprobs for u in turns], np.float32, n_resp)
+        self.ids = torch.from_numpy(np.concatenate([u.token_array for u in turns]))
+        self.logprobs = torch.from_numpy(np.concatenate([u.logprob_array for u in turns]))
         self.versions = _versions([u.versions for u in turns], n_resp)
         sizes = [
             sum(len(u.prompt_ids) + len(u.response_ids) for u in t.turns) for t in trajectories

@@ -9,9 +9,11 @@ between processes.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from itertools import chain
 from typing import Any, Literal
 
 import attrs
+import numpy as np
 
 from rollpipe.validators import int_at_least
 
@@ -88,6 +90,10 @@ class Turn:
     action_text: str
     observation: str
     stepped: bool = attrs.field(default=True, converter=bool)
+    # Packed copies for collation, made here, on the rollout loop while the engine
+    # generates, so building a batch copies arrays instead of converting Python ints.
+    token_array: np.ndarray = attrs.field(init=False, eq=False, repr=False)
+    logprob_array: np.ndarray = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         n = len(self.response_ids)
@@ -97,6 +103,15 @@ class Turn:
                     f"Turn.{name} has {len(getattr(self, name))} entries but response_ids has "
                     f"{n}; give one {name[:-1]} per generated token"
                 )
+        tokens = np.fromiter(
+            chain(self.prompt_ids, self.response_ids),
+            dtype=np.int64,
+            count=len(self.prompt_ids) + n,
+        )
+        logprobs = np.fromiter(self.logprobs, dtype=np.float32, count=n)
+        tokens.flags.writeable = logprobs.flags.writeable = False
+        object.__setattr__(self, "token_array", tokens)
+        object.__setattr__(self, "logprob_array", logprobs)
 
     @property
     def length_cut(self) -> bool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pickle
 
+import attrs
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -118,3 +120,32 @@ def test_group_checks_membership_and_keeps_drops() -> None:
     assert g.min_version == 0
     with pytest.raises(ValueError, match="Group 4 holds trajectories of other groups"):
         Group(4, [a])
+
+
+@given(
+    prompt=st.lists(st.integers(0, 2**40), min_size=1, max_size=30),
+    response=st.lists(st.integers(0, 2**40), max_size=30),
+)
+def test_turn_packs_its_ids_and_logprobs_for_collation(prompt: list[int], response: list[int]):
+    """The packed arrays hold exactly the turn's ids and logprobs, are read-only, follow
+    ``attrs.evolve`` and pickling, and take no part in equality."""
+    n = len(response)
+    t = Turn(
+        prompt_ids=prompt,
+        response_ids=response,
+        logprobs=[-0.5 - i for i in range(n)],
+        versions=[0] * n,
+        reward=0.0,
+        finish_reason="length",
+        action_valid=False,
+        action_text="",
+        observation="o",
+    )
+    assert t.token_array.dtype == np.int64 and t.token_array.tolist() == prompt + response
+    assert t.logprob_array.dtype == np.float32
+    assert t.logprob_array.tolist() == [np.float32(x) for x in t.logprobs]
+    assert not t.token_array.flags.writeable and not t.logprob_array.flags.writeable
+    back = pickle.loads(pickle.dumps(t))
+    assert back == t and back.token_array.tolist() == t.token_array.tolist()
+    shorter = attrs.evolve(t, prompt_ids=prompt[:1])
+    assert shorter.token_array.tolist() == prompt[:1] + response
