@@ -90,6 +90,7 @@ class PipelineConfig:
         default=None, validator=attrs.validators.optional(attrs.validators.in_(tuple(FILTERS)))
     )
     max_staleness: int | None = None
+    max_drops_in_a_row: int = attrs.field(default=1000, validator=int_at_least(1))
     in_order: bool | None = None
     raise_env_errors: bool = False
     on_length: Literal["skip", "step", "end"] = "skip"
@@ -193,6 +194,7 @@ def build_nodes(
         max_staleness=config.max_staleness,
         current_version=lambda: engine.version,
         control=control,
+        max_drops_in_a_row=config.max_drops_in_a_row,
     )
     batch = Batch(hooked("groups", groups), config.batch_size)
     pad_id = (

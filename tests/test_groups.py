@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torchdata.nodes import IterableWrapper, Loader
@@ -121,6 +122,24 @@ def test_zero_variance_filter_drops_and_requests_replacements():
     assert not drop_zero_variance(groups[0].__class__(group_id=0, trajectories=trajs[:2]))
 
 
+@given(cap=st.integers(1, 6), kept_after=st.integers(0, 8))
+def test_a_filter_that_rejects_everything_gives_up_after_max_drops_in_a_row(cap, kept_after):
+    """Groups with all-equal scores are dropped; a kept group resets the count, and
+    ``cap`` drops in a row raise an error naming the reason, not spin forever."""
+    n_groups = kept_after + cap + 1
+    scores = [[1.0, 1.0]] * n_groups
+    scores[kept_after] = [0.0, 1.0]  # the one group with a signal
+    trajs = arrivals(n_groups, 2, list(range(2 * n_groups)), scores=scores)
+    node = GroupAssembler(IterableWrapper(trajs), 2, filter="zero_variance", max_drops_in_a_row=cap)
+    if kept_after >= cap:  # the cap is hit before the kept group arrives
+        with pytest.raises(RuntimeError, match=rf"{cap} groups in a row .*'filtered': {cap}"):
+            next(node)
+        return
+    assert next(node).group_id == kept_after
+    with pytest.raises(RuntimeError, match=f"{cap} groups in a row were dropped"):
+        next(node)
+
+
 def test_stale_groups_are_dropped():
     version = {"now": 5}
     old = [make_trajectory(0, i, version=1) for i in range(2)]
@@ -158,14 +177,14 @@ def test_checkpoint_mid_stream_resumes_exactly():
 
 
 def test_bad_arguments_name_the_field():
-    import pytest
-
     with pytest.raises(ValueError, match="group_size must be >= 1, got 0"):
         GroupAssembler(IterableWrapper([]), 0)
     with pytest.raises(ValueError, match="max_staleness needs current_version"):
         GroupAssembler(IterableWrapper([]), 2, max_staleness=1)
     with pytest.raises(ValueError, match="unknown name 'nope'"):
         GroupAssembler(IterableWrapper([]), 2, filter="nope")
+    with pytest.raises(ValueError, match="max_drops_in_a_row must be >= 1, got 0"):
+        GroupAssembler(IterableWrapper([]), 2, max_drops_in_a_row=0)
 
 
 def test_trajectories_without_turns_fail_their_group():

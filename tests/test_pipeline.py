@@ -237,6 +237,8 @@ def test_bad_configuration_names_the_field():
         PipelineConfig(sampling={"temp": 1.0})
     with pytest.raises(ValueError, match="env_workers must be an int >= 0, got -1"):
         PipelineConfig(env_workers=-1)
+    with pytest.raises(ValueError, match="max_drops_in_a_row must be an int >= 1, got 0"):
+        PipelineConfig(max_drops_in_a_row=0)
 
 
 def test_step_level_rows(vllm_engine, tokenizer):

@@ -55,6 +55,9 @@ class GroupAssembler(BaseNode[Group]):
             versions behind ``current_version()``.
         current_version: the trainer's current policy version (usually ``engine.version``).
         control: shared control; cancels redundant members and requests replacements.
+        max_drops_in_a_row: groups dropped one after another, with none kept, before
+            ``next()`` gives up with an error naming the reasons (a filter that rejects
+            everything the policy produces would otherwise request replacements forever).
 
     Each yielded group carries ``drops``: the counts of what was dropped since the
     previous yielded group (``filtered``, ``stale``, ``errored``, ``empty`` groups;
@@ -73,8 +76,13 @@ class GroupAssembler(BaseNode[Group]):
         max_staleness: int | None = None,
         current_version: Callable[[], int] | None = None,
         control: RolloutControl | None = None,
+        max_drops_in_a_row: int = 1000,
     ) -> None:
         super().__init__()
+        if max_drops_in_a_row < 1:
+            raise ValueError(
+                f"GroupAssembler: max_drops_in_a_row must be >= 1, got {max_drops_in_a_row}"
+            )
         if group_size < 1:
             raise ValueError(f"GroupAssembler: group_size must be >= 1, got {group_size}")
         if redundancy < 0:
@@ -94,6 +102,7 @@ class GroupAssembler(BaseNode[Group]):
         self.max_staleness = max_staleness
         self.current_version = current_version
         self.control = control
+        self.max_drops_in_a_row = max_drops_in_a_row
         self._clear()
 
     def _clear(self) -> None:
@@ -101,6 +110,7 @@ class GroupAssembler(BaseNode[Group]):
         self._errors: Counter[int] = Counter()
         self._closed: set[int] = set()
         self._drops: Counter[str] = Counter()
+        self._group_drops: Counter[str] = Counter()  # groups dropped since one was kept
         self.total_drops: Counter[str] = Counter()  # since the last reset; for progress displays
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
@@ -136,6 +146,15 @@ class GroupAssembler(BaseNode[Group]):
                 self.control.request_groups(1)
         if drop_reason is not None:
             self._drop(drop_reason)
+            self._group_drops[drop_reason] += 1
+            if sum(self._group_drops.values()) >= self.max_drops_in_a_row:
+                raise RuntimeError(
+                    f"GroupAssembler: {sum(self._group_drops.values())} groups in a row were "
+                    f"dropped and none kept ({dict(self._group_drops)}); with filter "
+                    f"{getattr(self.filter, '__name__', self.filter)!r} and max_staleness "
+                    f"{self.max_staleness!r} nothing this policy produces is usable. Loosen "
+                    "the filter or max_staleness, fix the env, or raise max_drops_in_a_row"
+                )
 
     @property
     def pending_drops(self) -> dict[str, int]:
@@ -177,6 +196,7 @@ class GroupAssembler(BaseNode[Group]):
             self._close(gid, "filtered")
             return None
         self._close(gid, None)
+        self._group_drops.clear()
         drops, self._drops = dict(self._drops), Counter()
         return Group(group_id=gid, trajectories=group.trajectories, drops=drops)
 
