@@ -358,3 +358,25 @@ def test_env_calls_run_inline_or_on_the_env_pool(vllm_engine, tokenizer, workers
         assert ThreadNotingLake.threads == {vllm_engine.loop_thread.thread.name}
     else:
         assert ThreadNotingLake.threads == {"rollpipe-rollout"}
+
+
+def test_asking_for_data_on_the_engine_loop_raises_not_hangs(vllm_engine, tokenizer):
+    """The episodes run on the engine's loop; blocking on them from that very loop would
+    deadlock, so it is an error instead."""
+    import asyncio
+
+    from rollpipe.nodes.rollout import Rollout
+
+    rollout = Rollout(EpisodeSource(1, 2, seed=1), vllm_engine, tokenizer, max_turns=1)
+    rollout.reset()
+
+    async def next_on_engine_loop():
+        return next(rollout)
+
+    loop = vllm_engine.loop_thread.loop
+    try:
+        with pytest.raises(RuntimeError, match="call it from another thread"):
+            asyncio.run_coroutine_threadsafe(next_on_engine_loop(), loop).result(timeout=60)
+        assert next(rollout).episode_id == 0  # from this thread it works
+    finally:
+        rollout.close()
