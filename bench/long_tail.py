@@ -98,24 +98,15 @@ register(ENV, LongTailEnv, overwrite=True)
 
 class LengthBySeed:
     """Engine wrapper: each request generates exactly ``length_for(params.seed)`` tokens
-    (capped by its ``max_tokens``, the token budget; no stop tokens). Everything else is
-    delegated to the wrapped engine."""
+    (capped by its ``max_tokens``, the token budget; no stop tokens). Everything else,
+    but ``close``, is delegated to the wrapped engine."""
 
     def __init__(self, engine: Engine, scale: float = 1.0) -> None:
         self.inner = engine
         self.scale = scale
 
-    @property
-    def version(self) -> int:
-        return self.inner.version
-
-    @property
-    def is_paused(self) -> bool:
-        return self.inner.is_paused
-
-    @property
-    def loop_thread(self) -> Any:
-        return getattr(self.inner, "loop_thread", None)
+    def __getattr__(self, name: str) -> Any:  # version, is_paused, pause, loop_thread...
+        return getattr(self.inner, name)
 
     def _params(self, params: SamplingParams) -> SamplingParams:
         n = min(length_for(params.seed, self.scale), params.max_tokens)
@@ -134,15 +125,6 @@ class LengthBySeed:
     ) -> list[Generation]:
         """One batched call with per-request params (the lockstep barrier)."""
         return generate_each(self.inner, prompts, [self._params(p) for p in params])
-
-    def pause(self, mode: Any = "keep") -> None:
-        self.inner.pause(mode)
-
-    def resume(self) -> None:
-        self.inner.resume()
-
-    def update_weights(self, weights: Any, version: int | None = None) -> int:
-        return self.inner.update_weights(weights, version)
 
     def close(self) -> None:  # the wrapped engine belongs to the caller
         pass

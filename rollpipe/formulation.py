@@ -204,6 +204,23 @@ def _repeat(values: Sequence[Any], repeats: Sequence[int]) -> list[Any]:
     return [v for v, n in zip(values, repeats, strict=True) for _ in range(n)]
 
 
+def _label_columns(
+    trajectories: Sequence[Trajectory], repeats: Sequence[int], step_scores: list[Any]
+) -> dict[str, np.ndarray]:
+    """The object columns: each trajectory's labels, repeated once per row it gave."""
+
+    def col(values: list[Any]) -> np.ndarray:
+        return _objects(_repeat(values, repeats))
+
+    return {
+        "step_scores": _objects(step_scores),
+        "tags": col([t.tag for t in trajectories]),
+        "end_reasons": col([t.end_reason for t in trajectories]),
+        "uid": col([t.group_uid for t in trajectories]),
+        "traj_uid": col([t.traj_id for t in trajectories]),
+    }
+
+
 def trajectory_rows(
     trajectories: Sequence[Trajectory],
     pad_token_id: int,
@@ -231,13 +248,7 @@ def trajectory_rows(
     ones = [1] * len(trajs)
     tensors = rows.tensors(stream, pad_token_id, padding_side, pad_to_multiple_of)
     tensors.update(_ids_fields(trajs, ones))
-    non_tensors = {
-        "step_scores": _objects([t.step_scores for t in trajs]),
-        "tags": _objects([t.tag for t in trajs]),
-        "end_reasons": _objects([t.end_reason for t in trajs]),
-        "uid": _objects([t.group_uid for t in trajs]),
-        "traj_uid": _objects([t.traj_id for t in trajs]),
-    }
+    non_tensors = _label_columns(trajs, ones, [t.step_scores for t in trajs])
     return DataProto.from_dict(
         tensors=tensors, non_tensors=non_tensors, meta_info=dict(meta_info or {})
     )
@@ -283,13 +294,7 @@ def step_rows(
     tensors.update(_ids_fields(trajs, counts))
     tensors["step"] = torch.tensor(steps, dtype=torch.int64)
     tensors["state_hash"] = torch.tensor(hashes, dtype=torch.int64)
-    non_tensors = {
-        "step_scores": _objects(rewards),
-        "tags": _objects(_repeat([t.tag for t in trajs], counts)),
-        "end_reasons": _objects(_repeat([t.end_reason for t in trajs], counts)),
-        "uid": _objects(_repeat([t.group_uid for t in trajs], counts)),
-        "traj_uid": _objects(_repeat([t.traj_id for t in trajs], counts)),
-    }
+    non_tensors = _label_columns(trajs, counts, rewards)
     return DataProto.from_dict(
         tensors=tensors, non_tensors=non_tensors, meta_info=dict(meta_info or {})
     )
