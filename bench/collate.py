@@ -1,11 +1,11 @@
 """Benchmark 3: collating trajectories into one padded ``DataProto``.
 
-Input: ``n`` real ``rollpipe.trajectory.Trajectory`` records of random total length
+Input: ``n`` real ``rollpipe.agent.records.Trajectory`` records of random total length
 16..4096 tokens (uniform), each cut into 1..4 turns of (prompt, response) segments at
 random points, with logprobs and versions on response tokens. Three ways to the same
 padded ``[B, L]`` rows, run side by side in every repeat:
 
-* **collate** — ``rollpipe.formulation.trajectory_rows`` (what the ``Collate`` node runs).
+* **collate** — ``rollpipe.data.rows.trajectory_rows`` (what the ``Collate`` node runs).
 * **per-row concat** (the verl/ROLL way) — for each trajectory, build its tensors
   (per turn segment, from the same packed arrays collate reads; ``torch.cat``),
   right-pad every field to the batch's longest row ``L`` (ROLL pads to its configured
@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import BenchContext, Figures, median, rounded, timed
-from rollpipe.formulation import trajectory_rows
-from rollpipe.proto import DataProto
-from rollpipe.trajectory import EpisodeSpec, Trajectory, Turn
+from rollpipe.data.rows import trajectory_rows
+from rollpipe.data.proto import DataProto
+from rollpipe.agent.records import EpisodeSpec, Trajectory, Turn
 
 PAD_ID = 0
 

@@ -33,8 +33,8 @@ from bench.common import (
 )
 from rollpipe.engines.base import SamplingParams
 from rollpipe.pipeline import PipelineConfig, RolloutPipeline
-from rollpipe.seeding import derive_seed
-from rollpipe.trajectory import Trajectory
+from rollpipe._utils.seeding import derive_seed
+from rollpipe.agent.records import Trajectory
 
 Request = tuple[list[int], SamplingParams]
 

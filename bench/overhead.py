@@ -33,7 +33,7 @@ two threads:
    prompts, torch for rows, asyncio for scheduling, torchdata's node plumbing).
 
 Also reported (same correction, as shares of ``main_cpu``): building prompts
-(``rollpipe/chat.py``, inclusive) and collating (``trajectory_rows`` and
+(``rollpipe/agent/chat.py``, inclusive) and collating (``trajectory_rows`` and
 ``batch_metrics``, inclusive); and the top rollpipe
 functions by self time, written to ``bench/results/latest_overhead.txt``.
 """

@@ -133,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> Figures:
 
     from transformers import AutoTokenizer
 
-    from rollpipe.models import default_model_path
+    from rollpipe.engines.tiny_model import default_model_path
 
     figures: Figures = {
         "machine": machine_info(),

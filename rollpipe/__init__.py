@@ -12,28 +12,28 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS: dict[str, str] = {
-    "DataProto": "rollpipe.proto",
-    "pad_to_divisor": "rollpipe.proto",
-    "unpad": "rollpipe.proto",
-    "EpisodeSpec": "rollpipe.trajectory",
-    "Turn": "rollpipe.trajectory",
-    "Trajectory": "rollpipe.trajectory",
-    "Group": "rollpipe.trajectory",
-    "ChatFormat": "rollpipe.chat",
-    "run_episode": "rollpipe.episode",
-    "trajectory_rows": "rollpipe.formulation",
-    "step_rows": "rollpipe.formulation",
+    "DataProto": "rollpipe.data.proto",
+    "pad_to_divisor": "rollpipe.data.proto",
+    "unpad": "rollpipe.data.proto",
+    "EpisodeSpec": "rollpipe.agent.records",
+    "Turn": "rollpipe.agent.records",
+    "Trajectory": "rollpipe.agent.records",
+    "Group": "rollpipe.agent.records",
+    "ChatFormat": "rollpipe.agent.chat",
+    "run_episode": "rollpipe.agent.episode",
+    "trajectory_rows": "rollpipe.data.rows",
+    "step_rows": "rollpipe.data.rows",
     "SamplingParams": "rollpipe.engines.base",
     "Generation": "rollpipe.engines.base",
     "EngineError": "rollpipe.engines.base",
     "EngineClosedError": "rollpipe.engines.base",
     "VLLMEngine": "rollpipe.engines.vllm",
     "HFEngine": "rollpipe.engines.hf",
-    "build_tiny_model": "rollpipe.models",
-    "default_model_path": "rollpipe.models",
-    "RolloutControl": "rollpipe.nodes.control",
-    "EnvChoice": "rollpipe.nodes.episodes",
-    "EpisodeSource": "rollpipe.nodes.episodes",
+    "build_tiny_model": "rollpipe.engines.tiny_model",
+    "default_model_path": "rollpipe.engines.tiny_model",
+    "RolloutControl": "rollpipe.nodes.signals",
+    "EnvChoice": "rollpipe.nodes.episode_source",
+    "EpisodeSource": "rollpipe.nodes.episode_source",
     "Rollout": "rollpipe.nodes.rollout",
     "GroupAssembler": "rollpipe.nodes.groups",
     "Batch": "rollpipe.nodes.batch",
@@ -45,14 +45,14 @@ _EXPORTS: dict[str, str] = {
     "PipelineNodes": "rollpipe.pipeline",
     "RolloutPipeline": "rollpipe.pipeline",
     "build_nodes": "rollpipe.pipeline",
-    "RolloutBuffer": "rollpipe.buffer",
+    "RolloutBuffer": "rollpipe.ppo.buffer",
 }
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from rollpipe.buffer import RolloutBuffer
-    from rollpipe.chat import ChatFormat
+    from rollpipe.ppo.buffer import RolloutBuffer
+    from rollpipe.agent.chat import ChatFormat
     from rollpipe.engines.base import (
         EngineClosedError,
         EngineError,
@@ -61,19 +61,19 @@ if TYPE_CHECKING:
     )
     from rollpipe.engines.hf import HFEngine
     from rollpipe.engines.vllm import VLLMEngine
-    from rollpipe.episode import run_episode
-    from rollpipe.formulation import step_rows, trajectory_rows
-    from rollpipe.models import build_tiny_model, default_model_path
+    from rollpipe.agent.episode import run_episode
+    from rollpipe.data.rows import step_rows, trajectory_rows
+    from rollpipe.engines.tiny_model import build_tiny_model, default_model_path
     from rollpipe.nodes.batch import Batch, TrajectoryBatch
     from rollpipe.nodes.collate import Collate
-    from rollpipe.nodes.control import RolloutControl
-    from rollpipe.nodes.episodes import EnvChoice, EpisodeSource
+    from rollpipe.nodes.signals import RolloutControl
+    from rollpipe.nodes.episode_source import EnvChoice, EpisodeSource
     from rollpipe.nodes.groups import GroupAssembler
     from rollpipe.nodes.pausable import Pausable, PauseController
     from rollpipe.nodes.rollout import Rollout
     from rollpipe.pipeline import PipelineConfig, PipelineNodes, RolloutPipeline, build_nodes
-    from rollpipe.proto import DataProto, pad_to_divisor, unpad
-    from rollpipe.trajectory import EpisodeSpec, Group, Trajectory, Turn
+    from rollpipe.data.proto import DataProto, pad_to_divisor, unpad
+    from rollpipe.agent.records import EpisodeSpec, Group, Trajectory, Turn
 
 
 def __getattr__(name: str) -> Any:

@@ -115,9 +115,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from torchdata.nodes import Mapper
     from transformers import AutoTokenizer
 
-    from rollpipe.models import default_model_path
+    from rollpipe.engines.tiny_model import default_model_path
     from rollpipe.pipeline import RolloutPipeline
-    from rollpipe.readable import decode_row
+    from rollpipe.data.readable import decode_row
 
     config = load_config(args)
     if args.batches < 1:
@@ -214,8 +214,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
 def inspect(args: argparse.Namespace, console: Console) -> int:
     from transformers import AutoTokenizer
 
-    from rollpipe.proto import DataProto
-    from rollpipe.readable import decode_row, marked_text
+    from rollpipe.data.proto import DataProto
+    from rollpipe.data.readable import decode_row, marked_text
 
     batch = DataProto.load(args.file)
     shapes = Table(title=f"{args.file}: {len(batch)} rows")
@@ -234,7 +234,7 @@ def inspect(args: argparse.Namespace, console: Console) -> int:
         raise ValueError(f"--row {args.row} is out of range for a batch of {len(batch)} rows")
     model_path = args.model or batch.meta_info.get("model_path")
     if model_path is None:
-        from rollpipe.models import default_model_path
+        from rollpipe.engines.tiny_model import default_model_path
 
         model_path = default_model_path()
     record = decode_row(batch, args.row, AutoTokenizer.from_pretrained(model_path))

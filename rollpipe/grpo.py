@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rollpipe.proto import DataProto
+from rollpipe.data.proto import DataProto
 
 
 def group_advantages(

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from rollpipe.models import default_model_path
+from rollpipe.engines.tiny_model import default_model_path
 
 _SHARED_ENGINES: list[Any] = []
 

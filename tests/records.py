@@ -1,13 +1,13 @@
 """Small builders of trajectory records for tests about assembly, batching and metrics.
 
-The records are real ``rollpipe.trajectory`` objects; only their token content is
+The records are real ``rollpipe.agent.records`` objects; only their token content is
 made up, because those tests are about what happens to records, not how they were
 generated (tests of generation use the real engines).
 """
 
 from __future__ import annotations
 
-from rollpipe.trajectory import EpisodeSpec, Trajectory, Turn
+from rollpipe.agent.records import EpisodeSpec, Trajectory, Turn
 
 
 def make_trajectory(

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root ho
 from bench import collate, efficiency, long_tail
 from bench.common import BenchContext, median, rounded
 from bench.run import table, write_results
-from rollpipe.formulation import trajectory_rows
+from rollpipe.data.rows import trajectory_rows
 
 
 def positive(value: object) -> bool:

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollpipe.chat import ChatFormat
-from rollpipe.trajectory import Turn
+from rollpipe.agent.chat import ChatFormat
+from rollpipe.agent.records import Turn
 
 TEXT = st.text(
     alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=40

@@ -214,5 +214,5 @@ def test_closed_engine_raises(tiny_model_path: Path, prompts: list[list[int]]) -
         engine.generate_batch(prompts[:1], GREEDY)
     with pytest.raises(EngineClosedError):
         asyncio.run(engine.generate(prompts[0], GREEDY))
-    owned = [engine._runner.thread, *engine._worker._threads]  # loop + generate worker
+    owned = [engine.runtime.thread, *engine._worker._threads]  # loop + generate worker
     assert owned and not any(t.is_alive() for t in owned)

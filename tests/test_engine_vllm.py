@@ -295,7 +295,7 @@ def test_close_fails_waiting_and_later_requests(tiny_model_path: Path) -> None:
     with pytest.raises(EngineClosedError):
         engine.generate_batch([[1, 2]], GREEDY)
     engine.close()  # idempotent
-    assert engine.closed and not engine._runner.thread.is_alive()
+    assert engine.closed and not engine.runtime.thread.is_alive()
 
 
 @pytest.mark.slow

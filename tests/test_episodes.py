@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torchdata.nodes import Loader
 
-from rollpipe.nodes.control import RolloutControl
-from rollpipe.nodes.episodes import EnvChoice, EpisodeSource
+from rollpipe.nodes.signals import RolloutControl
+from rollpipe.nodes.episode_source import EnvChoice, EpisodeSource
 
 
 @settings(max_examples=50, deadline=None)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torchdata.nodes import IterableWrapper, Loader
 
-from rollpipe.nodes.control import RolloutControl
+from rollpipe.nodes.signals import RolloutControl
 from rollpipe.nodes.groups import GroupAssembler, drop_zero_variance
 
 from records import make_trajectory
@@ -188,7 +188,7 @@ def test_bad_arguments_name_the_field():
 
 
 def test_trajectories_without_turns_fail_their_group():
-    from rollpipe.trajectory import Trajectory
+    from rollpipe.agent.records import Trajectory
 
     empty = Trajectory(
         spec=make_trajectory(0, 1).spec,

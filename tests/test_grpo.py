@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollpipe.grpo import group_advantages, policy_loss
-from rollpipe.proto import DataProto
+from rollpipe.data.proto import DataProto
 
 
 @settings(max_examples=60, deadline=None)

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollpipe.models import EOS_TOKEN, PAD_TOKEN, build_tiny_model, default_model_path
+from rollpipe.engines.tiny_model import EOS_TOKEN, PAD_TOKEN, build_tiny_model, default_model_path
 
 
 def _files(path: Path) -> dict[str, bytes]:

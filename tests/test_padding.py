@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollpipe.padding import (
+from rollpipe.data.padding import (
     PaddedTokens,
     pad_1d,
     pad_tokens,

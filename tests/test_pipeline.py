@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rollpipe.envs import FrozenLake, register
-from rollpipe.nodes.episodes import EpisodeSource
+from rollpipe.nodes.episode_source import EpisodeSource
 from rollpipe.pipeline import PipelineConfig, RolloutPipeline
 
 SAMPLING = {"max_tokens": 16, "temperature": 1.0}
@@ -260,9 +260,9 @@ def test_step_level_rows(vllm_engine, tokenizer):
 def test_user_nodes_between_stages_and_stages_alone(vllm_engine, tokenizer):
     from torchdata.nodes import Loader, Mapper
 
-    from rollpipe.nodes.episodes import EpisodeSource
+    from rollpipe.nodes.episode_source import EpisodeSource
     from rollpipe.nodes.rollout import Rollout
-    from rollpipe.trajectory import Trajectory
+    from rollpipe.agent.records import Trajectory
 
     seen = []
 
@@ -355,7 +355,7 @@ def test_env_calls_run_inline_or_on_the_env_pool(vllm_engine, tokenizer, workers
         assert ThreadNotingLake.threads
         assert all(name.startswith("rollpipe-env") for name in ThreadNotingLake.threads)
     elif engine_loop:
-        assert ThreadNotingLake.threads == {vllm_engine.loop_thread.thread.name}
+        assert ThreadNotingLake.threads == {vllm_engine.runtime.thread.name}
     else:
         assert ThreadNotingLake.threads == {"rollpipe-rollout"}
 
@@ -373,7 +373,7 @@ def test_asking_for_data_on_the_engine_loop_raises_not_hangs(vllm_engine, tokeni
     async def next_on_engine_loop():
         return next(rollout)
 
-    loop = vllm_engine.loop_thread.loop
+    loop = vllm_engine.runtime.loop
     try:
         with pytest.raises(RuntimeError, match="call it from another thread"):
             asyncio.run_coroutine_threadsafe(next_on_engine_loop(), loop).result(timeout=60)

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollpipe.proto import DataProto, pad_to_divisor, unpad
+from rollpipe.data.proto import DataProto, pad_to_divisor, unpad
 
 SETTINGS = settings(max_examples=50, deadline=None)
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rollpipe.trajectory import EpisodeSpec, Group, Trajectory, Turn
+from rollpipe.agent.records import EpisodeSpec, Group, Trajectory, Turn
 
 
 def turn(n: int = 3, *, versions: list[int] | None = None, reward: float = 0.0) -> Turn:

@@ -9,11 +9,7 @@ that makes ``generate`` awaitable from any loop or thread, version bookkeeping,
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import contextlib
 import os
-import threading
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
@@ -26,7 +22,7 @@ from rollpipe.engines.records import (
     Generation,
     SamplingParams,
 )
-from rollpipe.loop_thread import LoopThread
+from rollpipe.runtime import Runtime
 
 __all__ = [
     "FINISH_REASONS",
@@ -103,6 +99,11 @@ class Engine(Protocol):
 
     def close(self) -> None: ...
 
+    @property
+    def runtime(self) -> Runtime:
+        """The event loop the engine runs on; episodes run there too (no thread hop)."""
+        ...
+
     def __enter__(self) -> Engine: ...
 
     def __exit__(self, *exc: object) -> None: ...
@@ -154,11 +155,11 @@ def check_prompt(prompt_ids: Sequence[int], vocab_size: int | None = None) -> li
 
 
 class BaseEngine:
-    """Shared machinery: the loop thread, request futures, versions, close.
+    """Shared machinery: the runtime, request bridging, versions, close.
 
-    Subclasses implement ``_generate`` (a coroutine run on the engine loop), ``_pause``,
-    ``_resume``, ``_load_weights`` and ``_shutdown`` (the latter four run on the loop
-    too, via ``_call``), and the ``is_paused`` property.
+    Subclasses implement ``_generate`` (a coroutine run on the engine's runtime),
+    ``_pause``, ``_resume``, ``_load_weights`` and ``_shutdown`` (the latter four run on the
+    runtime too), and the ``is_paused`` property.
     """
 
     def __init__(
@@ -167,9 +168,8 @@ class BaseEngine:
         self._version = version
         self._closed = False
         self._dead: BaseException | None = None
-        self._lock = threading.RLock()
-        self._pending: set[concurrent.futures.Future[Any]] = set()
-        self._runner = LoopThread(name, loop_init)
+        self._runtime = Runtime(name, loop_init)
+        self._scope = self._runtime.scope(name)
 
     # -- state ---------------------------------------------------------------------------
     @property
@@ -181,10 +181,10 @@ class BaseEngine:
         return self._closed
 
     @property
-    def loop_thread(self) -> LoopThread:
-        """The engine's event-loop thread. Coroutines running on it (a ``Rollout``'s
-        episodes, by default) reach the engine without a thread hop."""
-        return self._runner
+    def runtime(self) -> Runtime:
+        """The event loop this engine runs on. Coroutines running on it (a ``Rollout``'s
+        episodes) reach the engine without a thread hop."""
+        return self._runtime
 
     @property
     def is_paused(self) -> bool:
@@ -200,77 +200,20 @@ class BaseEngine:
                 f"{type(self).__name__} died ({self._dead!r}); create a new engine"
             ) from self._dead
 
-    # -- bridging to the engine loop -----------------------------------------------------
-    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Run ``coro`` on the engine loop; the returned future fails on close."""
-        cf: concurrent.futures.Future[T] = concurrent.futures.Future()
-        loop = self._runner.loop
-        with self._lock:
-            try:
-                self._check_open()
-            except EngineError:
-                coro.close()
-                raise
-            self._pending.add(cf)
-        cf.add_done_callback(self._pending.discard)
-
-        def start() -> None:
-            if cf.done():  # cancelled or failed by close() before it started
-                coro.close()
-                return
-            task = loop.create_task(coro)
-
-            def copy(t: asyncio.Task[T]) -> None:
-                if cf.done():
-                    return
-                try:
-                    if t.cancelled():
-                        cf.set_exception(self._closed_error())
-                    elif (exc := t.exception()) is not None:
-                        cf.set_exception(exc)
-                    else:
-                        cf.set_result(t.result())
-                except concurrent.futures.InvalidStateError:
-                    pass
-
-            def cancel_task(f: concurrent.futures.Future[T]) -> None:
-                if f.cancelled():
-                    with contextlib.suppress(RuntimeError):
-                        loop.call_soon_threadsafe(task.cancel)
-
-            task.add_done_callback(copy)
-            cf.add_done_callback(cancel_task)
-
-        try:
-            loop.call_soon_threadsafe(start)
-        except RuntimeError as e:  # loop already closed
-            coro.close()
-            cf.set_exception(self._closed_error())
-            raise self._closed_error() from e
-        return cf
-
-    def _closed_error(self) -> EngineError:
-        if self._dead is not None and not self._closed:
-            return EngineError(f"{type(self).__name__} died: {self._dead!r}")
-        return EngineClosedError(f"{type(self).__name__} was closed while the request waited")
-
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run ``coro`` on the engine loop and block for its result (not from that loop)."""
-        if self._runner.in_loop_thread():
+        """Run ``coro`` on the engine's runtime and block for its result (not from its loop)."""
+        if self._runtime.in_loop():
             coro.close()
             raise EngineError(
                 "this synchronous engine method was called from the engine's own event loop; "
                 "call it from another thread"
             )
-        return self._submit(coro).result(timeout)
-
-    def _fail_pending(self, exc: BaseException) -> None:
-        with self._lock:
-            pending = list(self._pending)
-        for cf in pending:
-            if not cf.done():
-                with contextlib.suppress(concurrent.futures.InvalidStateError):
-                    cf.set_exception(exc)
+        try:
+            self._check_open()
+        except EngineError:
+            coro.close()
+            raise
+        return self._scope.call(coro, timeout)
 
     # -- the protocol --------------------------------------------------------------------
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
@@ -278,21 +221,20 @@ class BaseEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         prompt = check_prompt(prompt_ids, self._vocab_size())
-        if self._runner.in_loop_thread():  # already on the engine loop: no hop
-            self._check_open()
-            return await self._generate(prompt, params)
-        return await asyncio.wrap_future(self._submit(self._generate(prompt, params)))
+        self._check_open()
+        return await self._scope.run(self._generate(prompt, params))
 
     def generate_batch(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
     ) -> list[Generation]:
         """Synchronous convenience: all ``prompts`` submitted at once, results in order."""
-        if self._runner.in_loop_thread():
+        if self._runtime.in_loop():
             raise EngineError("generate_batch blocks; do not call it on the engine's own loop")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         checked = [check_prompt(p, self._vocab_size()) for p in prompts]
-        futures = [self._submit(self._generate(p, params)) for p in checked]
+        self._check_open()
+        futures = [self._scope.submit(self._generate(p, params)) for p in checked]
         return [f.result() for f in futures]
 
     def pause(self, mode: PauseMode = "keep") -> None:
@@ -325,19 +267,18 @@ class BaseEngine:
 
     def close(self) -> None:
         """Stop the engine; waiting and later ``generate`` calls raise EngineClosedError."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._fail_pending(EngineClosedError(f"{type(self).__name__} was closed"))
+        if self._closed:
+            return
+        self._closed = True
+        error = EngineClosedError(f"{type(self).__name__} was closed")
+        self._scope.close(error)  # wakes every caller waiting on a request, at once
         try:
-            if not self._runner.loop.is_closed():
-                fut = asyncio.run_coroutine_threadsafe(self._shutdown(), self._runner.loop)
-                fut.result(timeout=60)
-        except Exception:  # best effort: the loop is stopped below either way
+            if self._runtime.alive:
+                self._runtime.call(self._shutdown(), timeout=60)
+        except Exception:  # best effort: the runtime is closed below either way
             pass
         finally:
-            self._runner.stop()
+            self._runtime.close(error)
             self._after_close()
 
     def __enter__(self) -> BaseEngine:

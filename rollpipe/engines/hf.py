@@ -117,7 +117,7 @@ class HFEngine(BaseEngine):
         self._running: list[_Row] = []
         self._batch_done = asyncio.Event()
         self._wake = asyncio.Event()
-        self._batcher = asyncio.run_coroutine_threadsafe(self._batch_loop(), self._runner.loop)
+        self._batcher = self._runtime.submit(self._batch_loop())
 
     @property
     def is_paused(self) -> bool:

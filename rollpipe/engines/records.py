@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from rollpipe.validators import float_in, int_at_least
+from rollpipe._utils.checks import float_in, int_at_least
 
 __all__ = [
     "FINISH_REASONS",

@@ -97,7 +97,7 @@ class VLLMEngine(BaseEngine):
         if not (Path(model) / "config.json").is_file():
             raise ValueError(
                 f"VLLMEngine: model_path {model!r} has no config.json; pass a local model "
-                "directory (e.g. rollpipe.models.default_model_path())"
+                "directory (e.g. rollpipe.engines.tiny_model.default_model_path())"
             )
         if not isinstance(max_model_len, int) or max_model_len < 2:
             raise ValueError(
@@ -159,7 +159,7 @@ class VLLMEngine(BaseEngine):
                 self._backend = self._call(InprocBackend.start(EngineArgs(**kwargs), self, threads))
         except BaseException as e:
             self._closed = True
-            self._runner.stop()
+            self._runtime.close()
             raise EngineError(f"VLLMEngine failed to start on {model!r}: {e!r}") from e
         self._vocab = self._backend.vocab_size
         # The first forward pass pays one-off kernel set-up (seconds on CPU): pay it now.

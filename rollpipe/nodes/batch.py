@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 from torchdata.nodes import BaseNode
 
-from rollpipe.trajectory import Group, Trajectory
+from rollpipe.agent.records import Group, Trajectory
 
 
 @attrs.frozen

@@ -1,7 +1,7 @@
 """Collate: trajectory records to one padded ``DataProto``.
 
 Token-in/token-out: rows are the exact ids the engine saw and produced (see
-``rollpipe.formulation``). Padding happens here, once, to the longest row of what
+``rollpipe.data.rows``). Padding happens here, once, to the longest row of what
 arrives (optionally rounded up to a multiple), never to a global sequence length.
 """
 
@@ -12,11 +12,11 @@ from typing import Any, Literal
 
 from torchdata.nodes import BaseNode
 
-from rollpipe.formulation import step_rows, trajectory_rows
-from rollpipe.metrics import batch_metrics
+from rollpipe.data.rows import step_rows, trajectory_rows
+from rollpipe.data.metrics import batch_metrics
 from rollpipe.nodes.batch import TrajectoryBatch
-from rollpipe.proto import DataProto
-from rollpipe.trajectory import Group, Trajectory
+from rollpipe.data.proto import DataProto
+from rollpipe.agent.records import Group, Trajectory
 
 Level = Literal["trajectory", "step"]
 

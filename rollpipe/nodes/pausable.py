@@ -22,7 +22,7 @@ from typing import Any, Literal, TypeVar
 from torchdata.nodes import BaseNode
 
 from rollpipe.engines.base import Engine
-from rollpipe.nodes.control import RolloutControl
+from rollpipe.nodes.signals import RolloutControl
 
 T = TypeVar("T")
 PauseMode = Literal["keep", "abort", "wait"]

@@ -1,6 +1,6 @@
 """Rollout: many episodes at once, every live request in flight together.
 
-Each episode is a coroutine (``rollpipe.episode.run_episode``). Up to ``concurrency``
+Each episode is a coroutine (``rollpipe.agent.episode.run_episode``). Up to ``concurrency``
 run on one event loop, so all of their engine requests reach the engine together and
 its continuous batching does the batching: no lockstep turns, and a long episode never
 holds back the others. The loop is the engine's own (``engine.loop_thread``) by default:
@@ -28,13 +28,13 @@ from typing import Any, TypeVar
 
 from torchdata.nodes import BaseNode
 
-from rollpipe.chat import ChatFormat
+from rollpipe.agent.chat import ChatFormat
 from rollpipe.engines.base import Engine, EngineClosedError, SamplingParams
 from rollpipe.envs import make as make_env
-from rollpipe.episode import run_episode
-from rollpipe.loop_thread import LoopThread
-from rollpipe.nodes.control import RolloutControl
-from rollpipe.trajectory import EpisodeSpec, Trajectory
+from rollpipe.agent.episode import run_episode
+from rollpipe.runtime import Runtime
+from rollpipe.nodes.signals import RolloutControl
+from rollpipe.agent.records import EpisodeSpec, Trajectory
 
 T = TypeVar("T")
 EnvFactory = Callable[[EpisodeSpec], Any]
@@ -119,7 +119,7 @@ class Rollout(BaseNode[Trajectory]):
         self.control = control or RolloutControl()
         self.engine_loop = engine_loop
         self.episode_kwargs = episode_kwargs
-        self._runner: LoopThread | None = None
+        self._runner: Runtime | None = None
         self._owns_runner = False
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._driver: asyncio.Task[None] | None = None
@@ -135,14 +135,14 @@ class Rollout(BaseNode[Trajectory]):
             coro.close()
             raise RuntimeError("Rollout is closed; build a new one")
         if self._runner is None:
-            shared = getattr(self.engine, "loop_thread", None) if self.engine_loop else None
+            shared = self.engine.runtime if self.engine_loop else None
             self._owns_runner = shared is None
-            self._runner = shared or LoopThread("rollpipe-rollout")
+            self._runner = shared or Runtime("rollpipe-rollout")
             if self.env_workers > 0:
                 self._executor = concurrent.futures.ThreadPoolExecutor(
                     max_workers=self.env_workers, thread_name_prefix="rollpipe-env"
                 )
-        if self._runner.in_loop_thread():
+        if self._runner.in_loop():
             coro.close()
             raise RuntimeError(
                 "Rollout blocks for its results; call it from another thread than the "
@@ -417,7 +417,7 @@ class Rollout(BaseNode[Trajectory]):
             if self._runner_alive():  # (a closed engine's loop is not)
                 self._call(self._stop_all())
             if self._owns_runner:
-                self._runner.stop()
+                self._runner.close()
         self._closed = True
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)

@@ -32,10 +32,10 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
-from rollpipe.chat import ChatFormat
+from rollpipe.agent.chat import ChatFormat
 from rollpipe.engines.base import Engine, EngineError, Generation, SamplingParams
-from rollpipe.seeding import derive_seed
-from rollpipe.trajectory import EndReason, EpisodeSpec, Trajectory, Turn
+from rollpipe._utils.seeding import derive_seed
+from rollpipe.agent.records import EndReason, EpisodeSpec, Trajectory, Turn
 
 OnLength = Literal["skip", "step", "end"]
 _ON_LENGTH = ("skip", "step", "end")

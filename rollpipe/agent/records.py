@@ -1,7 +1,7 @@
 """Trajectory records: what one episode sent to the engine, got back, and was rewarded.
 
 Token ids are kept exactly as the engine received and produced them, so the rows built
-from these records (``rollpipe.formulation``) never re-tokenize text. All records are
+from these records (``rollpipe.data.rows``) never re-tokenize text. All records are
 frozen attrs classes: hashable (except ``Group.drops``), picklable, cheap to ship
 between processes.
 """
@@ -15,7 +15,7 @@ from typing import Any, Literal
 import attrs
 import numpy as np
 
-from rollpipe.validators import int_at_least
+from rollpipe._utils.checks import int_at_least
 
 EndReason = Literal["terminated", "truncated", "max_turns", "max_length", "error"]
 END_REASONS: tuple[str, ...] = ("terminated", "truncated", "max_turns", "max_length", "error")

@@ -14,10 +14,10 @@ import attrs
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from rollpipe.nodes.control import RolloutControl
-from rollpipe.seeding import derive_seed
-from rollpipe.trajectory import EpisodeSpec
-from rollpipe.validators import float_in
+from rollpipe.nodes.signals import RolloutControl
+from rollpipe._utils.seeding import derive_seed
+from rollpipe.agent.records import EpisodeSpec
+from rollpipe._utils.checks import float_in
 
 
 @attrs.frozen

@@ -14,10 +14,10 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 from torch import Tensor
 
-from rollpipe.seeding import derive_seed
+from rollpipe._utils.seeding import derive_seed
 
 if TYPE_CHECKING:
-    from rollpipe.proto import DataProto
+    from rollpipe.data.proto import DataProto
 
 __all__ = [
     "as_object_column",
@@ -70,7 +70,7 @@ def as_object_column(key: str, value: Any) -> np.ndarray:
         if value.ndim != 1:
             raise ValueError(
                 f"non-tensor column {key!r} must be a 1-D array (one entry per row), got shape "
-                f"{value.shape}; build it with rollpipe.proto_ops.object_array(list_of_rows)"
+                f"{value.shape}; build it with rollpipe.data.columns.object_array(list_of_rows)"
             )
         return value if value.dtype == object else object_array(value.tolist())
     if isinstance(value, (list, tuple)):
@@ -190,7 +190,7 @@ def chunk_sizes(n: int, chunks: int) -> list[int]:
     if chunks > n:
         raise ValueError(
             f"cannot split {n} rows into {chunks} chunks (more chunks than rows); use at most "
-            f"{n} chunks or pad first with rollpipe.proto.pad_to_divisor(dp, {chunks})"
+            f"{n} chunks or pad first with rollpipe.data.proto.pad_to_divisor(dp, {chunks})"
         )
     base, extra = divmod(n, chunks)
     return [base + 1 if i < extra else base for i in range(chunks)]
@@ -308,7 +308,7 @@ def check_same_columns(parts: Sequence[tuple[TensorDictBase | None, Mapping[str,
                     f"concat: batch key {key!r} is {tuple(t.shape)} {t.dtype} in part {i} but "
                     f"{tuple(ref_t.shape)} {ref_t.dtype} in part 0; all parts must agree on "
                     "dtype and every dimension but the first (pad rows to one length, e.g. "
-                    "rollpipe.padding.pad_1d(..., length=L))"
+                    "rollpipe.data.padding.pad_1d(..., length=L))"
                 )
 
 
@@ -380,7 +380,7 @@ def check_fields(batch: TensorDictBase | None, columns: Mapping[str, Any], meta:
             what = f"shape {col.shape} {col.dtype}" if isinstance(col, np.ndarray) else col
             raise ValueError(
                 f"non_tensor_batch[{key!r}] must be a 1-D numpy object array, got "
-                f"{short_repr(what)}; build it with rollpipe.proto_ops.object_array(values)"
+                f"{short_repr(what)}; build it with rollpipe.data.columns.object_array(values)"
             )
         if n is not None and len(col) != n:
             raise ValueError(

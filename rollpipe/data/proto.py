@@ -19,7 +19,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
 
-from rollpipe.proto_ops import (
+from rollpipe.data.columns import (
     as_object_column,
     check_count,
     check_fields,
@@ -41,7 +41,7 @@ from rollpipe.proto_ops import (
     unpad_dataproto,
     values_equal,
 )
-from rollpipe.seeding import derive_seed
+from rollpipe._utils.seeding import derive_seed
 
 __all__ = ["DataProto", "pad_dataproto_to_divisor", "pad_to_divisor", "unpad", "unpad_dataproto"]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from rollpipe.proto import DataProto
+from rollpipe.data.proto import DataProto
 
 
 def spans(

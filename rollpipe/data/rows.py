@@ -4,7 +4,7 @@ A row's ``input_ids`` is exactly the concatenation of the ids the engine receive
 produced (never re-tokenized text). Rows are built for the whole batch at once: the
 turns' ids, logprobs and versions are converted once into flat tensors (the only
 per-token Python work), rows are slices of them, and every field is padded by one
-shared ``rollpipe.padding.FlatLayout`` to the batch's own longest row, so thousands of
+shared ``rollpipe.data.padding.FlatLayout`` to the batch's own longest row, so thousands of
 trajectories cost a few tensor ops per field.
 
 Tensor fields (``[B, L]`` unless noted):
@@ -41,9 +41,9 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from rollpipe.padding import FlatLayout, flat_layout, padded_tokens
-from rollpipe.proto import DataProto
-from rollpipe.trajectory import Trajectory
+from rollpipe.data.padding import FlatLayout, flat_layout, padded_tokens
+from rollpipe.data.proto import DataProto
+from rollpipe.agent.records import Trajectory
 
 
 def state_hash(group_id: int, observation: str) -> int:

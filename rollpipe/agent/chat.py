@@ -22,7 +22,7 @@ from typing import Any
 
 import attrs
 
-from rollpipe.trajectory import Turn
+from rollpipe.agent.records import Turn
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are an agent acting in a text game. Think briefly, then give your action "

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from rollpipe.trajectory import Trajectory
+from rollpipe.agent.records import Trajectory
 
 DROP_KINDS = (
     "filtered",

@@ -4,7 +4,7 @@ One output allocation per field and no per-token Python work: the rows are conca
 once and written by ``masked_scatter_`` through the bool mask of the valid positions
 (row-major order of the mask matches the order of the concatenated rows, for either
 padding side). ``flat_layout`` computes that mask once per batch so callers that already
-hold flat tensors (``rollpipe.formulation``) pad many fields without splitting them.
+hold flat tensors (``rollpipe.data.rows``) pad many fields without splitting them.
 Position ids follow verl: ``cumsum(mask) - 1`` clipped at 0.
 """
 

@@ -1,0 +1,1 @@
+"""Small private helpers shared across rollpipe: attrs validators, seed derivation."""

@@ -1,0 +1,1 @@
+"""Batches: DataProto, padding kernels, token-exact rows, batch metrics, readable views."""

@@ -1,0 +1,1 @@
+"""Classic on-policy RL: a preallocated rollout buffer, GAE and a vector-env collector."""

@@ -1,0 +1,8 @@
+"""The one concurrency model: an event loop in a thread (``Runtime``), the scoped bridge to it
+from other threads (``Scope``), and waits that wake instead of polling (``Gate``, ``Signal``).
+See docs/architecture.md."""
+
+from rollpipe.runtime.loop import Runtime, RuntimeClosedError, Scope
+from rollpipe.runtime.sync import Gate, Signal, fresh_error
+
+__all__ = ["Gate", "Runtime", "RuntimeClosedError", "Scope", "Signal", "fresh_error"]
