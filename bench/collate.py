@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import BenchContext, Figures, median, rounded, timed
-from rollpipe.data.rows import trajectory_rows
-from rollpipe.data.proto import DataProto
 from rollpipe.agent.records import EpisodeSpec, Trajectory, Turn
+from rollpipe.data.proto import DataProto
+from rollpipe.data.rows import trajectory_rows
 
 PAD_ID = 0
 

@@ -31,10 +31,10 @@ from bench.common import (
     rounded,
     timed,
 )
-from rollpipe.engines.base import SamplingParams
-from rollpipe.pipeline import PipelineConfig, RolloutPipeline
 from rollpipe._utils.seeding import derive_seed
 from rollpipe.agent.records import Trajectory
+from rollpipe.engines.base import SamplingParams
+from rollpipe.pipeline import PipelineConfig, RolloutPipeline
 
 Request = tuple[list[int], SamplingParams]
 

@@ -42,14 +42,14 @@ from bench.common import (
     rounded,
     timed,
 )
+from rollpipe._utils.seeding import derive_seed
 from rollpipe.agent.chat import ChatFormat
+from rollpipe.agent.records import EpisodeSpec, Trajectory, Turn
+from rollpipe.data.rows import trajectory_rows
 from rollpipe.engines.base import Engine, Generation, SamplingParams
 from rollpipe.envs import register
-from rollpipe.data.rows import trajectory_rows
 from rollpipe.nodes.episode_source import EpisodeSource
 from rollpipe.pipeline import PipelineConfig, RolloutPipeline
-from rollpipe._utils.seeding import derive_seed
-from rollpipe.agent.records import EpisodeSpec, Trajectory, Turn
 
 ENV = "bench_longtail"
 TURN_WEIGHTS = (40, 20, 12, 8, 6, 5, 5, 4)  # P(episode lasts 1, 2, ..., 8 turns)

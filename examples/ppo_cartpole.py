@@ -21,8 +21,8 @@ from tensordict import TensorDict
 from torch import nn
 from torch.distributions import Categorical
 
-from rollpipe.ppo.gae import compute_gae
 from rollpipe.ppo.buffer import RolloutBuffer, iterate_minibatches, transition_view
+from rollpipe.ppo.gae import compute_gae
 from rollpipe.ppo.vector_collector import VectorCollector
 
 

@@ -51,8 +51,11 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from rollpipe.ppo.buffer import RolloutBuffer
     from rollpipe.agent.chat import ChatFormat
+    from rollpipe.agent.episode import run_episode
+    from rollpipe.agent.records import EpisodeSpec, Group, Trajectory, Turn
+    from rollpipe.data.proto import DataProto, pad_to_divisor, unpad
+    from rollpipe.data.rows import step_rows, trajectory_rows
     from rollpipe.engines.base import (
         EngineClosedError,
         EngineError,
@@ -60,20 +63,17 @@ if TYPE_CHECKING:
         SamplingParams,
     )
     from rollpipe.engines.hf import HFEngine
-    from rollpipe.engines.vllm import VLLMEngine
-    from rollpipe.agent.episode import run_episode
-    from rollpipe.data.rows import step_rows, trajectory_rows
     from rollpipe.engines.tiny_model import build_tiny_model, default_model_path
+    from rollpipe.engines.vllm import VLLMEngine
     from rollpipe.nodes.batch import Batch, TrajectoryBatch
     from rollpipe.nodes.collate import Collate
-    from rollpipe.nodes.signals import RolloutControl
     from rollpipe.nodes.episode_source import EnvChoice, EpisodeSource
     from rollpipe.nodes.groups import GroupAssembler
     from rollpipe.nodes.pausable import Pausable, PauseController
     from rollpipe.nodes.rollout import Rollout
+    from rollpipe.nodes.signals import RolloutControl
     from rollpipe.pipeline import PipelineConfig, PipelineNodes, RolloutPipeline, build_nodes
-    from rollpipe.data.proto import DataProto, pad_to_divisor, unpad
-    from rollpipe.agent.records import EpisodeSpec, Group, Trajectory, Turn
+    from rollpipe.ppo.buffer import RolloutBuffer
 
 
 def __getattr__(name: str) -> Any:

@@ -115,9 +115,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from torchdata.nodes import Mapper
     from transformers import AutoTokenizer
 
+    from rollpipe.data.readable import decode_row
     from rollpipe.engines.tiny_model import default_model_path
     from rollpipe.pipeline import RolloutPipeline
-    from rollpipe.data.readable import decode_row
 
     config = load_config(args)
     if args.batches < 1:

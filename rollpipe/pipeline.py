@@ -15,18 +15,18 @@ from typing import Any, Literal
 import attrs
 from torchdata.nodes import BaseNode, Loader
 
+from rollpipe._utils.checks import int_at_least, optional
 from rollpipe.agent.chat import DEFAULT_SYSTEM_PROMPT, ChatFormat
+from rollpipe.data.proto import DataProto
 from rollpipe.engines.base import Engine, SamplingParams
 from rollpipe.envs import available as available_envs
 from rollpipe.nodes.batch import Batch
 from rollpipe.nodes.collate import Collate
-from rollpipe.nodes.signals import RolloutControl
 from rollpipe.nodes.episode_source import EnvChoice, EpisodeSource, as_env_choices
 from rollpipe.nodes.groups import FILTERS, GroupAssembler
 from rollpipe.nodes.pausable import Pausable, PauseController, PauseMode
 from rollpipe.nodes.rollout import Rollout
-from rollpipe.data.proto import DataProto
-from rollpipe._utils.checks import int_at_least, optional
+from rollpipe.nodes.signals import RolloutControl
 
 Stage = Literal["source", "rollout", "groups", "batch", "collate"]
 NodeHook = Callable[[BaseNode[Any]], BaseNode[Any]]

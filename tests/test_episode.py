@@ -14,15 +14,15 @@ from typing import Any
 import pytest
 import torch
 
+from rollpipe._utils.seeding import derive_seed
 from rollpipe.agent.chat import ChatFormat
+from rollpipe.agent.episode import run_episode
+from rollpipe.agent.records import EpisodeSpec, Trajectory
+from rollpipe.data.padding import position_ids_from_mask, unpad
+from rollpipe.data.rows import step_rows, trajectory_rows
 from rollpipe.engines.base import EngineClosedError, SamplingParams
 from rollpipe.envs import FrozenLake
-from rollpipe.agent.episode import run_episode
-from rollpipe.data.rows import step_rows, trajectory_rows
 from rollpipe.nodes.signals import RolloutControl
-from rollpipe.data.padding import position_ids_from_mask, unpad
-from rollpipe._utils.seeding import derive_seed
-from rollpipe.agent.records import EpisodeSpec, Trajectory
 
 LAKE = "P__\n_H_\n__G"  # a fixed 3x3 map: the tests are about tokens, not maps
 SAMPLING = SamplingParams(max_tokens=16, temperature=1.0)

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torchdata.nodes import Loader
 
-from rollpipe.nodes.signals import RolloutControl
 from rollpipe.nodes.episode_source import EnvChoice, EpisodeSource
+from rollpipe.nodes.signals import RolloutControl
 
 
 @settings(max_examples=50, deadline=None)

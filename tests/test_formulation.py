@@ -14,10 +14,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollpipe.data.rows import state_hash, step_rows, trajectory_rows
+from rollpipe.agent.records import EpisodeSpec, Trajectory, Turn
 from rollpipe.data.padding import position_ids_from_mask, unpad
 from rollpipe.data.proto import DataProto
-from rollpipe.agent.records import EpisodeSpec, Trajectory, Turn
+from rollpipe.data.rows import state_hash, step_rows, trajectory_rows
 
 PAD = 0
 

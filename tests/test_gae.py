@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollpipe.ppo.gae import compute_gae, gae
 from rollpipe.ppo.buffer import RolloutBuffer, transition_view
+from rollpipe.ppo.gae import compute_gae, gae
 
 
 def reference_gae(

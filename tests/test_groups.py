@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torchdata.nodes import IterableWrapper, Loader
 
-from rollpipe.nodes.signals import RolloutControl
 from rollpipe.nodes.groups import GroupAssembler, drop_zero_variance
+from rollpipe.nodes.signals import RolloutControl
 
 from records import make_trajectory
 

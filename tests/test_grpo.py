@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollpipe.grpo import group_advantages, policy_loss
 from rollpipe.data.proto import DataProto
+from rollpipe.grpo import group_advantages, policy_loss
 
 
 @settings(max_examples=60, deadline=None)

@@ -260,9 +260,9 @@ def test_step_level_rows(vllm_engine, tokenizer):
 def test_user_nodes_between_stages_and_stages_alone(vllm_engine, tokenizer):
     from torchdata.nodes import Loader, Mapper
 
+    from rollpipe.agent.records import Trajectory
     from rollpipe.nodes.episode_source import EpisodeSource
     from rollpipe.nodes.rollout import Rollout
-    from rollpipe.agent.records import Trajectory
 
     seen = []
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rollpipe.data.proto import DataProto, pad_to_divisor, unpad
 from rollpipe.data.columns import object_array
+from rollpipe.data.proto import DataProto, pad_to_divisor, unpad
 
 
 def make(n: int = 4, **meta) -> DataProto:

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 from torchdata.nodes import Loader
 
+from rollpipe._utils.seeding import derive_seed
 from rollpipe.ppo.buffer import RolloutBuffer
 from rollpipe.ppo.vector_collector import VectorCollector
-from rollpipe._utils.seeding import derive_seed
 
 
 class BalancePolicy(nn.Module):

@@ -32,10 +32,10 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
-from rollpipe.agent.chat import ChatFormat
-from rollpipe.engines.base import Engine, EngineError, Generation, SamplingParams
 from rollpipe._utils.seeding import derive_seed
+from rollpipe.agent.chat import ChatFormat
 from rollpipe.agent.records import EndReason, EpisodeSpec, Trajectory, Turn
+from rollpipe.engines.base import Engine, EngineError, Generation, SamplingParams
 
 OnLength = Literal["skip", "step", "end"]
 _ON_LENGTH = ("skip", "step", "end")

@@ -19,6 +19,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
 
+from rollpipe._utils.seeding import derive_seed
 from rollpipe.data.columns import (
     as_object_column,
     check_count,
@@ -41,7 +42,6 @@ from rollpipe.data.columns import (
     unpad_dataproto,
     values_equal,
 )
-from rollpipe._utils.seeding import derive_seed
 
 __all__ = ["DataProto", "pad_dataproto_to_divisor", "pad_to_divisor", "unpad", "unpad_dataproto"]
 

@@ -41,9 +41,9 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from rollpipe.agent.records import Trajectory
 from rollpipe.data.padding import FlatLayout, flat_layout, padded_tokens
 from rollpipe.data.proto import DataProto
-from rollpipe.agent.records import Trajectory
 
 
 def state_hash(group_id: int, observation: str) -> int:

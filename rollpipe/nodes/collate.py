@@ -12,11 +12,11 @@ from typing import Any, Literal
 
 from torchdata.nodes import BaseNode
 
-from rollpipe.data.rows import step_rows, trajectory_rows
-from rollpipe.data.metrics import batch_metrics
-from rollpipe.nodes.batch import TrajectoryBatch
-from rollpipe.data.proto import DataProto
 from rollpipe.agent.records import Group, Trajectory
+from rollpipe.data.metrics import batch_metrics
+from rollpipe.data.proto import DataProto
+from rollpipe.data.rows import step_rows, trajectory_rows
+from rollpipe.nodes.batch import TrajectoryBatch
 
 Level = Literal["trajectory", "step"]
 

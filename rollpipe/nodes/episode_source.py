@@ -14,10 +14,10 @@ import attrs
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from rollpipe.nodes.signals import RolloutControl
+from rollpipe._utils.checks import float_in
 from rollpipe._utils.seeding import derive_seed
 from rollpipe.agent.records import EpisodeSpec
-from rollpipe._utils.checks import float_in
+from rollpipe.nodes.signals import RolloutControl
 
 
 @attrs.frozen

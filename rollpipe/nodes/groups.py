@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from rollpipe.nodes.signals import RolloutControl
 from rollpipe.agent.records import Group, Trajectory
+from rollpipe.nodes.signals import RolloutControl
 
 GroupFilter = Callable[[Group], bool]
 """Returns True to keep a group."""

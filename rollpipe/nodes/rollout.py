@@ -29,12 +29,12 @@ from typing import Any, TypeVar
 from torchdata.nodes import BaseNode
 
 from rollpipe.agent.chat import ChatFormat
+from rollpipe.agent.episode import run_episode
+from rollpipe.agent.records import EpisodeSpec, Trajectory
 from rollpipe.engines.base import Engine, EngineClosedError, SamplingParams
 from rollpipe.envs import make as make_env
-from rollpipe.agent.episode import run_episode
-from rollpipe.runtime import Runtime
 from rollpipe.nodes.signals import RolloutControl
-from rollpipe.agent.records import EpisodeSpec, Trajectory
+from rollpipe.runtime import Runtime
 
 T = TypeVar("T")
 EnvFactory = Callable[[EpisodeSpec], Any]

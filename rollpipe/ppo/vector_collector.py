@@ -20,8 +20,8 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from tensordict import TensorDict
 from torchdata.nodes import BaseNode
 
-from rollpipe.ppo.buffer import RolloutBuffer
 from rollpipe._utils.seeding import derive_seed
+from rollpipe.ppo.buffer import RolloutBuffer
 
 __all__ = ["ActorCritic", "VectorCollector"]
 
