@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from bench.common import BenchContext, Figures, median, rounded, timed
 from rollpipe.agent.records import EpisodeSpec, Trajectory, Turn
+from rollpipe.data.columns import object_array
 from rollpipe.data.proto import DataProto
 from rollpipe.data.rows import trajectory_rows
 
@@ -88,12 +89,6 @@ def synthetic_trajectories(
     return out
 
 
-def _objects(value: object) -> np.ndarray:
-    out = np.empty(1, dtype=object)
-    out[0] = value
-    return out
-
-
 def per_row_proto(traj: Trajectory, length: int) -> DataProto:
     """One trajectory as a one-row DataProto padded to ``length`` (the verl/ROLL way)."""
     ids, resp, lp, ver = [], [], [], []
@@ -133,11 +128,11 @@ def per_row_proto(traj: Trajectory, length: int) -> DataProto:
         "episode_scores": torch.tensor([traj.score], dtype=torch.float32),
     }
     non_tensors = {
-        "step_scores": _objects(traj.step_scores),
-        "tags": _objects(traj.tag),
-        "end_reasons": _objects(traj.end_reason),
-        "uid": _objects(traj.group_uid),
-        "traj_uid": _objects(traj.traj_id),
+        "step_scores": object_array([traj.step_scores]),
+        "tags": object_array([traj.tag]),
+        "end_reasons": object_array([traj.end_reason]),
+        "uid": object_array([traj.group_uid]),
+        "traj_uid": object_array([traj.traj_id]),
     }
     return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)
 

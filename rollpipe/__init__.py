@@ -13,8 +13,8 @@ __version__ = "0.1.0"
 
 _EXPORTS: dict[str, str] = {
     "DataProto": "rollpipe.data.proto",
-    "pad_to_divisor": "rollpipe.data.proto",
-    "unpad": "rollpipe.data.proto",
+    "pad_to_divisor": "rollpipe.data.divisor",
+    "unpad": "rollpipe.data.divisor",
     "EpisodeSpec": "rollpipe.agent.records",
     "Turn": "rollpipe.agent.records",
     "Trajectory": "rollpipe.agent.records",
@@ -41,7 +41,7 @@ _EXPORTS: dict[str, str] = {
     "Collate": "rollpipe.nodes.collate",
     "Pausable": "rollpipe.nodes.pausable",
     "PauseController": "rollpipe.nodes.pausable",
-    "PipelineConfig": "rollpipe.pipeline",
+    "PipelineConfig": "rollpipe.config",
     "PipelineNodes": "rollpipe.pipeline",
     "RolloutPipeline": "rollpipe.pipeline",
     "build_nodes": "rollpipe.pipeline",
@@ -54,7 +54,9 @@ if TYPE_CHECKING:
     from rollpipe.agent.chat import ChatFormat
     from rollpipe.agent.episode import run_episode
     from rollpipe.agent.records import EpisodeSpec, Group, Trajectory, Turn
-    from rollpipe.data.proto import DataProto, pad_to_divisor, unpad
+    from rollpipe.config import PipelineConfig
+    from rollpipe.data.divisor import pad_to_divisor, unpad
+    from rollpipe.data.proto import DataProto
     from rollpipe.data.rows import step_rows, trajectory_rows
     from rollpipe.engines.base import (
         EngineClosedError,
@@ -72,7 +74,7 @@ if TYPE_CHECKING:
     from rollpipe.nodes.pausable import Pausable, PauseController
     from rollpipe.nodes.rollout import Rollout
     from rollpipe.nodes.signals import RolloutControl
-    from rollpipe.pipeline import PipelineConfig, PipelineNodes, RolloutPipeline, build_nodes
+    from rollpipe.pipeline import PipelineNodes, RolloutPipeline, build_nodes
     from rollpipe.ppo.buffer import RolloutBuffer
 
 

@@ -9,119 +9,31 @@ ROLL's ``get_batch`` / ``suspend`` / ``resume`` and checkpointing.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import attrs
 from torchdata.nodes import BaseNode, Loader
 
-from rollpipe._utils.checks import int_at_least, optional
-from rollpipe.agent.chat import DEFAULT_SYSTEM_PROMPT, ChatFormat
+from rollpipe.agent.chat import ChatFormat
+from rollpipe.config import PipelineConfig
 from rollpipe.data.proto import DataProto
-from rollpipe.engines.base import Engine, SamplingParams
-from rollpipe.envs import available as available_envs
+from rollpipe.engines.base import Engine, EngineError, PauseMode
 from rollpipe.nodes.batch import Batch
+from rollpipe.nodes.closing import close_chain
 from rollpipe.nodes.collate import Collate
-from rollpipe.nodes.episode_source import EnvChoice, EpisodeSource, as_env_choices
-from rollpipe.nodes.groups import FILTERS, GroupAssembler
-from rollpipe.nodes.pausable import Pausable, PauseController, PauseMode
+from rollpipe.nodes.episode_source import EpisodeSource
+from rollpipe.nodes.groups import GroupAssembler
+from rollpipe.nodes.pausable import Pausable, PauseController
 from rollpipe.nodes.rollout import Rollout
 from rollpipe.nodes.signals import RolloutControl
+from rollpipe.runtime import RuntimeClosedError
+
+__all__ = ["NodeHook", "PipelineConfig", "PipelineNodes", "RolloutPipeline", "Stage", "build_nodes"]
 
 Stage = Literal["source", "rollout", "groups", "batch", "collate"]
 NodeHook = Callable[[BaseNode[Any]], BaseNode[Any]]
-
-
-def _sampling(value: SamplingParams | Mapping[str, Any]) -> SamplingParams:
-    if isinstance(value, SamplingParams):
-        return value
-    valid = sorted(f.name for f in attrs.fields(SamplingParams))
-    unknown = sorted(set(value) - set(valid))
-    if unknown:
-        raise ValueError(f"PipelineConfig.sampling: unknown keys {unknown}; valid keys: {valid}")
-    return SamplingParams(**value)
-
-
-def _envs(value: Any) -> tuple[EnvChoice, ...]:
-    if isinstance(value, (str, EnvChoice)):
-        value = [value]
-    items = [EnvChoice(**v) if isinstance(v, Mapping) else v for v in value]
-    choices = as_env_choices(items)
-    known = available_envs()
-    for c in choices:
-        if c.name not in known:
-            raise ValueError(f"PipelineConfig.envs: unknown env {c.name!r}; registered: {known}")
-    return choices
-
-
-@attrs.frozen(kw_only=True)
-class PipelineConfig:
-    """Everything the standard chain needs. Bad values fail here, naming the field.
-
-    ``envs`` takes an env name, an :class:`EnvChoice`, or a list mixing several by
-    weight (YAML: ``[{name: sokoban, weight: 1, config: {dim_room: [6, 6]}}]``).
-    ``batch_size`` counts trajectories and must be a multiple of ``group_size``.
-    ``num_groups=None`` runs forever. ``in_order=None`` (auto) yields trajectories in
-    admission order — reproducible — unless ``redundancy`` is set, where completion
-    order lets the first finishers of a group win.
-    """
-
-    envs: tuple[EnvChoice, ...] = attrs.field(default=("frozenlake",), converter=_envs)
-    group_size: int = attrs.field(default=4, validator=int_at_least(1))
-    batch_size: int = attrs.field(default=16, validator=int_at_least(1))
-    num_groups: int | None = attrs.field(default=None, validator=optional(int_at_least(1)))
-    redundancy: int = attrs.field(default=0, validator=int_at_least(0))
-    seed: int = attrs.field(default=0, validator=int_at_least(0))
-    max_turns: int = attrs.field(default=5, validator=int_at_least(1))
-    max_length: int = attrs.field(default=1024, validator=int_at_least(1))
-    concurrency: int = attrs.field(default=32, validator=int_at_least(1))
-    env_workers: int = attrs.field(default=0, validator=int_at_least(0))
-    engine_loop: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
-    sampling: SamplingParams = attrs.field(
-        factory=lambda: SamplingParams(max_tokens=48), converter=_sampling
-    )
-    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT
-    history_window: int | None = None
-    level: Literal["trajectory", "step"] = attrs.field(
-        default="trajectory", validator=attrs.validators.in_(("trajectory", "step"))
-    )
-    pad_to_multiple_of: int | None = attrs.field(default=None, validator=optional(int_at_least(1)))
-    filter: str | None = attrs.field(
-        default=None, validator=attrs.validators.optional(attrs.validators.in_(tuple(FILTERS)))
-    )
-    max_staleness: int | None = None
-    max_drops_in_a_row: int = attrs.field(default=1000, validator=int_at_least(1))
-    in_order: bool | None = None
-    raise_env_errors: bool = False
-    on_length: Literal["skip", "step", "end"] = "skip"
-
-    def __attrs_post_init__(self) -> None:
-        if self.batch_size % self.group_size:
-            raise ValueError(
-                f"PipelineConfig.batch_size={self.batch_size} is not a multiple of "
-                f"group_size={self.group_size}; batches hold whole groups"
-            )
-        if self.max_staleness is not None and self.max_staleness < 0:
-            raise ValueError(
-                f"PipelineConfig.max_staleness must be >= 0 or None, got {self.max_staleness}"
-            )
-        if self.level == "step" and self.history_window is None:
-            raise ValueError(
-                "PipelineConfig.level='step' needs history_window (e.g. 2): step rows "
-                "show a bounded window of recent turns"
-            )
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> PipelineConfig:
-        """From plain data (YAML); an unknown key is an error listing the valid ones."""
-        valid = sorted(f.name for f in attrs.fields(cls))
-        unknown = sorted(set(data) - set(valid))
-        if unknown:
-            raise ValueError(f"PipelineConfig: unknown keys {unknown}; valid keys: {valid}")
-        return cls(**data)
-
-    def replace(self, **changes: Any) -> PipelineConfig:
-        return attrs.evolve(self, **changes)
 
 
 @attrs.frozen
@@ -180,7 +92,6 @@ def build_nodes(
         max_length=config.max_length,
         concurrency=config.concurrency,
         env_workers=config.env_workers,
-        engine_loop=config.engine_loop,
         in_order=config.redundancy == 0 if config.in_order is None else config.in_order,
         control=control,
         raise_env_errors=config.raise_env_errors,
@@ -242,7 +153,7 @@ class RolloutPipeline:
     # -- data -------------------------------------------------------------------------
     def _iterator(self) -> Iterator[DataProto]:
         if self._closed:
-            raise RuntimeError("RolloutPipeline is closed; build a new one")
+            raise RuntimeClosedError("RolloutPipeline is closed; build a new one")
         if self._iter is None:
             self._iter = iter(self._loader)
         return self._iter
@@ -294,7 +205,9 @@ class RolloutPipeline:
 
     # -- checkpointing ----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Where the stream stands; a fresh pipeline loading it yields what this one would."""
+        """Where the stream stands, as plain data (ints, strings, lists, dicts, tensors):
+        ``torch.save`` it and ``torch.load(..., weights_only=True)`` it back. A fresh
+        pipeline loading it yields exactly what this one would have."""
         self._iterator()
         return {"loader": self._loader.state_dict(), "control": self.nodes.control.get_state()}
 
@@ -305,15 +218,24 @@ class RolloutPipeline:
 
     # -- lifecycle --------------------------------------------------------------------
     def close(self) -> None:
-        """Stop episodes and env threads (and the engine if owned). Idempotent."""
+        """Stop the episodes and threads this pipeline started (and the engine if owned).
+
+        Idempotent and prompt from any state: a thread blocked in ``get_batch()`` (waiting
+        for trajectories, or for ``resume()``) wakes at once with ``RuntimeClosedError``;
+        a suspended pipeline is resumed (an engine that can no longer resume is ignored);
+        an env call in flight is abandoned, not awaited (its thread ends when it returns).
+        """
         if self._closed:
             return
         self._closed = True
-        if self.nodes.controller.is_suspended:
-            self.nodes.controller.resume()
-        self.nodes.rollout.close()
-        if self.owns_engine:
-            self.engine.close()
+        try:
+            with contextlib.suppress(EngineError):
+                self.nodes.controller.resume()
+            close_chain(self.nodes.root)
+            self.nodes.rollout.close()  # in case a hook hid it from the chain
+        finally:
+            if self.owns_engine:
+                self.engine.close()
 
     def __enter__(self) -> RolloutPipeline:
         return self

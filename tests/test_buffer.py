@@ -231,7 +231,7 @@ def test_minibatch_misuse_errors() -> None:
     flat = buf.get()
     with pytest.raises(ValueError, match=r"batch_size=7 is larger than the data \(6 transitions\)"):
         next(iterate_minibatches(flat, 7, "cpu"))
-    with pytest.raises(ValueError, match=r"batch_size must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=r"batch_size must be an int >= 1, got 0"):
         next(iterate_minibatches(flat, 0, "cpu"))
     raw = RolloutBuffer(2, 3, 1, 1).start_rollout()
     with pytest.raises(ValueError, match=r"\[2, 4\] TensorDict that is not a transition view"):
@@ -239,7 +239,7 @@ def test_minibatch_misuse_errors() -> None:
 
 
 def test_constructor_validates_sizes() -> None:
-    with pytest.raises(ValueError, match=r"rollout_len must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=r"rollout_len must be an int >= 1, got 0"):
         RolloutBuffer(2, 0, 1, 1)
-    with pytest.raises(ValueError, match=r"obs_dim must be a positive int, got -1"):
+    with pytest.raises(ValueError, match=r"obs_dim must be an int >= 1, got -1"):
         RolloutBuffer(2, 3, -1, 1)

@@ -18,7 +18,7 @@ from rollpipe._utils.seeding import derive_seed
 from rollpipe.agent.chat import ChatFormat
 from rollpipe.agent.episode import run_episode
 from rollpipe.agent.records import EpisodeSpec, Trajectory
-from rollpipe.data.padding import position_ids_from_mask, unpad
+from rollpipe.data.padding import position_ids_from_mask, unpad_rows
 from rollpipe.data.rows import step_rows, trajectory_rows
 from rollpipe.engines.base import EngineClosedError, SamplingParams
 from rollpipe.envs import FrozenLake
@@ -97,8 +97,8 @@ def check_rows_against_envs(
     first_resp = b["response_mask"].int().argmax(-1)
     cols = torch.arange(am.shape[1])
     assert torch.equal(b["prompt_mask"], cols[None] < first_resp[:, None])
-    rows = unpad(b["input_ids"], am)
-    resp = unpad(b["response_mask"], am)
+    rows = unpad_rows(b["input_ids"], am)
+    resp = unpad_rows(b["response_mask"], am)
     for i, (t, env) in enumerate(zip(trajs, envs, strict=True)):
         assert t.turns[0].prompt_ids == tuple(chat.first_prompt(t.initial_observation))
         assert rows[i].tolist() == [x for u in t.turns for x in (*u.prompt_ids, *u.response_ids)]
@@ -117,7 +117,7 @@ def check_rows_against_envs(
         assert b["scores"][i, am[i].sum() - 1].item() == pytest.approx(t.score)
     # step rows: row t is exactly engine request t (earlier turns' ids, then this turn's)
     steps = step_rows(trajs, tokenizer.pad_token_id)
-    srows = unpad(steps.batch["input_ids"], steps.batch["attention_mask"])
+    srows = unpad_rows(steps.batch["input_ids"], steps.batch["attention_mask"])
     r = 0
     for t in trajs:
         context: list[int] = []
@@ -330,7 +330,7 @@ def test_window_mode_prompts_are_rebuilt_each_turn(hf_engine: Any, tokenizer: An
     for k, u in enumerate(t.turns):
         assert u.prompt_ids == tuple(chat.window_prompt(u.observation, t.turns[:k]))
     steps = step_rows([t], tokenizer.pad_token_id)
-    rows = unpad(steps.batch["input_ids"], steps.batch["attention_mask"])
+    rows = unpad_rows(steps.batch["input_ids"], steps.batch["attention_mask"])
     assert [r.tolist() for r in rows] == [[*u.prompt_ids, *u.response_ids] for u in t.turns]
     assert steps.batch["step"].tolist() == list(range(len(t.turns)))
     with pytest.raises(ValueError, match="use step_rows"):

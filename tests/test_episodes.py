@@ -72,9 +72,9 @@ def test_checkpoint_resumes_mid_group():
 
 
 def test_bad_arguments_name_the_field():
-    with pytest.raises(ValueError, match="group_size must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="group_size must be an int >= 1, got 0"):
         EpisodeSource(1, 0)
-    with pytest.raises(ValueError, match="num_groups must be >= 0"):
+    with pytest.raises(ValueError, match=r"num_groups \(or None: endless\) must be an int >= 0"):
         EpisodeSource(-1, 2)
     with pytest.raises(ValueError, match="weights must not all be 0"):
         EpisodeSource(1, 2, envs=[EnvChoice("frozenlake", weight=0.0)])

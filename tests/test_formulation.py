@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollpipe.agent.records import EpisodeSpec, Trajectory, Turn
-from rollpipe.data.padding import position_ids_from_mask, unpad
+from rollpipe.data.padding import position_ids_from_mask, unpad_rows
 from rollpipe.data.proto import DataProto
 from rollpipe.data.rows import state_hash, step_rows, trajectory_rows
 
@@ -99,10 +99,10 @@ def test_trajectory_rows_are_exact_concatenations(
     assert b["input_ids"].shape[1] == max(
         -(-len(expected_rows(t)) // (multiple or 1)) * (multiple or 1) for t in trajs
     )
-    rows = unpad(b["input_ids"], b["attention_mask"])
-    resp = unpad(b["response_mask"], b["attention_mask"])
-    lps = unpad(b["infer_logprobs"], b["attention_mask"])
-    vers = unpad(b["policy_versions"], b["attention_mask"])
+    rows = unpad_rows(b["input_ids"], b["attention_mask"])
+    resp = unpad_rows(b["response_mask"], b["attention_mask"])
+    lps = unpad_rows(b["infer_logprobs"], b["attention_mask"])
+    vers = unpad_rows(b["policy_versions"], b["attention_mask"])
     for i, t in enumerate(trajs):
         assert rows[i].tolist() == expected_rows(t)
         flags = [f for u in t.turns for f in [0] * len(u.prompt_ids) + [1] * len(u.response_ids)]
@@ -135,8 +135,8 @@ def test_step_rows_rebuild_each_engine_request(case: tuple[bool, list[Trajectory
     check_common(dp)
     b = dp.batch
     assert len(dp) == sum(len(t.turns) for t in trajs)
-    rows = unpad(b["input_ids"], b["attention_mask"])
-    resp = unpad(b["response_mask"], b["attention_mask"])
+    rows = unpad_rows(b["input_ids"], b["attention_mask"])
+    resp = unpad_rows(b["response_mask"], b["attention_mask"])
     r = 0
     for t in trajs:
         for i, u in enumerate(t.turns):

@@ -177,13 +177,13 @@ def test_checkpoint_mid_stream_resumes_exactly():
 
 
 def test_bad_arguments_name_the_field():
-    with pytest.raises(ValueError, match="group_size must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="group_size must be an int >= 1, got 0"):
         GroupAssembler(IterableWrapper([]), 0)
     with pytest.raises(ValueError, match="max_staleness needs current_version"):
         GroupAssembler(IterableWrapper([]), 2, max_staleness=1)
     with pytest.raises(ValueError, match="unknown name 'nope'"):
         GroupAssembler(IterableWrapper([]), 2, filter="nope")
-    with pytest.raises(ValueError, match="max_drops_in_a_row must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="max_drops_in_a_row must be an int >= 1, got 0"):
         GroupAssembler(IterableWrapper([]), 2, max_drops_in_a_row=0)
 
 

@@ -15,7 +15,7 @@ from rollpipe.data.padding import (
     pad_tokens,
     padded_length,
     position_ids_from_mask,
-    unpad,
+    unpad_rows,
 )
 
 SETTINGS = settings(max_examples=50, deadline=None)
@@ -29,7 +29,7 @@ multiples = st.one_of(st.none(), st.integers(1, 8))
 @given(rows=token_rows, side=sides, multiple_of=multiples)
 def test_pad_then_unpad_is_identity(rows, side, multiple_of):
     padded = pad_tokens(rows, pad_token_id=-1, side=side, multiple_of=multiple_of)
-    back = unpad(padded.input_ids, padded.attention_mask)
+    back = unpad_rows(padded.input_ids, padded.attention_mask)
     assert [r.tolist() for r in back] == rows
 
 
@@ -79,7 +79,7 @@ def test_pad_1d_float_rows_with_forced_length(rows, side, extra):
     cols = torch.arange(length)
     mask = cols < lengths[:, None] if side == "right" else cols >= (length - lengths)[:, None]
     assert bool((out[~mask] == -5.0).all())
-    assert [r.tolist() for r in unpad(out, mask)] == [t.tolist() for t in tensors]
+    assert [r.tolist() for r in unpad_rows(out, mask)] == [t.tolist() for t in tensors]
 
 
 def test_left_padding_gives_zero_positions_on_pads():
@@ -116,7 +116,7 @@ def test_padded_length_rounds_up():
 def test_unpad_returns_independent_rows_per_row():
     padded = pad_1d([torch.tensor([1, 2, 3]), torch.tensor([4])], side="left")
     mask = torch.tensor([[1, 1, 1], [0, 0, 1]])
-    rows = unpad(padded, mask)
+    rows = unpad_rows(padded, mask)
     assert [r.tolist() for r in rows] == [[1, 2, 3], [4]]
 
 
@@ -152,10 +152,10 @@ def test_error_bad_side():
 
 @pytest.mark.parametrize("bad", [0, -2, True, 1.5])
 def test_error_bad_multiple_of(bad):
-    with pytest.raises(ValueError, match="multiple_of must be a positive int"):
+    with pytest.raises(ValueError, match="multiple_of must be an int >= 1"):
         padded_length([3], multiple_of=bad)
 
 
 def test_error_unpad_shape_mismatch():
     with pytest.raises(ValueError, match=r"same \[B, L\] shape, got \(2, 3\) and \(2, 4\)"):
-        unpad(torch.zeros(2, 3), torch.ones(2, 4))
+        unpad_rows(torch.zeros(2, 3), torch.ones(2, 4))

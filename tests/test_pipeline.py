@@ -12,6 +12,7 @@ import torch
 from rollpipe.envs import FrozenLake, register
 from rollpipe.nodes.episode_source import EpisodeSource
 from rollpipe.pipeline import PipelineConfig, RolloutPipeline
+from rollpipe.runtime import Runtime
 
 SAMPLING = {"max_tokens": 16, "temperature": 1.0}
 
@@ -101,11 +102,29 @@ def test_checkpoint_restore_continues_exactly(vllm_engine, tokenizer):
     assert len(uninterrupted) == 3
     with RolloutPipeline(cfg, vllm_engine, tokenizer) as pipe:
         first = rows_of(pipe.get_batch())
-        state = pipe.state_dict()
+        state = plain_round_trip(pipe.state_dict())
     with RolloutPipeline(cfg, vllm_engine, tokenizer) as restored:
         restored.load_state_dict(state)
         rest = [rows_of(b) for b in restored]
     assert [first, *rest] == uninterrupted
+
+
+def plain_round_trip(state):
+    """``state`` through torch.save / torch.load(weights_only=True), after checking it is
+    JSON apart from tensors: plain data, no live objects."""
+    import io
+    import json
+
+    def tensors_only(obj):
+        if isinstance(obj, torch.Tensor):
+            return obj.tolist()
+        raise TypeError(f"state holds a {type(obj).__name__}: {obj!r}")
+
+    json.dumps(state, default=tensors_only)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
 
 
 def test_suspend_update_resume_loses_nothing(vllm_engine, tokenizer, tiny_model_path):
@@ -331,33 +350,49 @@ class ThreadNotingLake(FrozenLake):
 register("thread_noting_lake", ThreadNotingLake, overwrite=True)
 
 
-@pytest.mark.parametrize(("workers", "engine_loop"), [(0, True), (0, False), (2, True)])
-def test_env_calls_run_inline_or_on_the_env_pool(vllm_engine, tokenizer, workers, engine_loop):
-    """Episodes run on the engine's loop thread (or their own with ``engine_loop=False``);
-    env calls run inline there, or on the env pool when ``env_workers > 0``."""
+class OnItsOwnRuntime:
+    """The real engine, seen through a runtime of its own: episodes run there and reach
+    the engine through its bridge (as bench/overhead.py runs them, to time them apart)."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self.runtime = Runtime("rollpipe-episodes")
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+@pytest.mark.parametrize(("workers", "own_runtime"), [(0, False), (0, True), (2, False)])
+def test_env_calls_run_inline_or_on_the_env_pool(vllm_engine, tokenizer, workers, own_runtime):
+    """Episodes run on the engine's runtime thread (or on the runtime the engine object
+    names); env calls run inline there, or on the env pool when ``env_workers > 0``."""
     from torchdata.nodes import Loader
 
     from rollpipe.nodes.rollout import Rollout
 
     ThreadNotingLake.threads = set()
+    engine = OnItsOwnRuntime(vllm_engine) if own_runtime else vllm_engine
     rollout = Rollout(
         EpisodeSource(2, 2, seed=1, envs="thread_noting_lake"),
-        vllm_engine,
+        engine,
         tokenizer,
         max_turns=2,
         sampling=config().sampling,
         env_workers=workers,
-        engine_loop=engine_loop,
     )
-    assert len(list(Loader(rollout))) == 4
-    rollout.close()
+    try:
+        assert len(list(Loader(rollout))) == 4
+    finally:
+        rollout.close()
+        if own_runtime:
+            engine.runtime.close()
     if workers:
         assert ThreadNotingLake.threads
         assert all(name.startswith("rollpipe-env") for name in ThreadNotingLake.threads)
-    elif engine_loop:
-        assert ThreadNotingLake.threads == {vllm_engine.runtime.thread.name}
+    elif own_runtime:
+        assert ThreadNotingLake.threads == {"rollpipe-episodes"}
     else:
-        assert ThreadNotingLake.threads == {"rollpipe-rollout"}
+        assert ThreadNotingLake.threads == {vllm_engine.runtime.thread.name}
 
 
 def test_asking_for_data_on_the_engine_loop_raises_not_hangs(vllm_engine, tokenizer):

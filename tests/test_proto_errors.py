@@ -10,7 +10,8 @@ import torch
 from tensordict import TensorDict
 
 from rollpipe.data.columns import object_array
-from rollpipe.data.proto import DataProto, pad_to_divisor, unpad
+from rollpipe.data.divisor import pad_to_divisor, unpad
+from rollpipe.data.proto import DataProto
 
 
 def make(n: int = 4, **meta) -> DataProto:

@@ -1,1 +1,1 @@
-"""Small private helpers shared across rollpipe: attrs validators, seed derivation."""
+"""Small private helpers shared across rollpipe: argument checks, seed derivation, freeze."""

@@ -1,6 +1,7 @@
-"""attrs validators shared by rollpipe's frozen configs and records.
+"""Argument checks shared by rollpipe: ``check_int`` for plain arguments, attrs validators
+for frozen configs and records.
 
-Every message names the class and field, the bad value, and the accepted range.
+Every message names the argument (``Class.field``), the bad value, and the accepted range.
 """
 
 from __future__ import annotations
@@ -10,19 +11,23 @@ from typing import Any
 
 import attrs
 
-__all__ = ["float_in", "int_at_least", "optional"]
+__all__ = ["check_int", "float_in", "int_at_least", "optional"]
 
 optional = attrs.validators.optional
+
+
+def check_int(name: str, value: object, minimum: int = 0) -> int:
+    """``value`` if it is an ``int`` (not a bool) ``>= minimum``, else a ValueError naming it."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
 
 
 def int_at_least(low: int) -> Any:
     """An ``int`` (not a bool) ``>= low``."""
 
     def check(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(
-                f"{type(inst).__name__}.{attr.name} must be an int >= {low}, got {value!r}"
-            )
+        check_int(f"{type(inst).__name__}.{attr.name}", value, low)
 
     return check
 

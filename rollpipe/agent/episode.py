@@ -42,7 +42,11 @@ _ON_LENGTH = ("skip", "step", "end")
 
 
 class _EnvFailed(Exception):
-    """Internal: wraps an exception raised by the env."""
+    """Internal: wraps an exception raised by the env (``error``)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(repr(error))
+        self.error = error
 
 
 class _Clock:
@@ -68,7 +72,7 @@ async def _env_call(
             result = await asyncio.get_running_loop().run_in_executor(executor, call)
         return await result if inspect.isawaitable(result) else result
     except Exception as exc:  # the env's failure, whatever it is
-        raise _EnvFailed(repr(exc)) from exc
+        raise _EnvFailed(exc) from exc
     finally:
         clock.env += time.perf_counter() - start
 
@@ -81,6 +85,11 @@ async def _generate(
     max_aborts: int,
     clock: _Clock,
 ) -> Generation:
+    """One engine request, re-sent when the engine aborts it (paused with ``abort``).
+
+    ``admit()`` holds the re-sent request until the pipeline resumes; without a gate it
+    goes straight back to the engine, which queues it until its own ``resume()``.
+    """
     aborts = 0
     while True:
         if admit is not None:
@@ -96,21 +105,16 @@ async def _generate(
                 f"engine aborted the same request {aborts} times in a row; raise max_aborts "
                 "or check why the engine keeps aborting (paused with mode='abort'?)"
             )
-        if admit is None:  # no gate: wait for the engine itself to be resumed
-            while engine.is_paused:
-                await asyncio.sleep(0.005)
 
 
-def _turn(
-    prompt_ids: list[int], gen: Generation, text: str, observation: str, version: int
-) -> dict[str, Any]:
+def _turn(prompt_ids: list[int], gen: Generation, text: str, observation: str) -> dict[str, Any]:
     n = len(gen.token_ids)
     return {
         "prompt_ids": prompt_ids,
         "response_ids": gen.token_ids,
         # engines asked for no logprobs return none: record 0.0 (documented)
         "logprobs": gen.logprobs if len(gen.logprobs) == n else (0.0,) * n,
-        "versions": gen.versions if len(gen.versions) == n else (version,) * n,
+        "versions": gen.versions,
         "finish_reason": gen.finish_reason,
         "action_text": text,
         "observation": observation,
@@ -193,9 +197,8 @@ async def run_episode(
                 seed=derive_seed(spec.seed, spec.episode_id, t),
                 stop_token_ids=stop_ids,
             )
-            version = engine.version
             gen = await _generate(engine, prompt, params, admit, max_aborts, clock)
-            fields = _turn(added, gen, chat.decode(gen.token_ids), observation, version)
+            fields = _turn(added, gen, chat.decode(gen.token_ids), observation)
             if not windowed:
                 context = [*prompt, *gen.token_ids]
             if gen.finish_reason == "length" and on_length != "step":
@@ -221,6 +224,6 @@ async def run_episode(
                 break
     except _EnvFailed as failed:
         if raise_env_errors:
-            raise failed.__cause__ or failed from None
+            raise failed.error from None
         end_reason, error = "error", str(failed)
     return done(end_reason, error)

@@ -2,8 +2,10 @@
 
 Token ids are kept exactly as the engine received and produced them, so the rows built
 from these records (``rollpipe.data.rows``) never re-tokenize text. All records are
-frozen attrs classes: hashable (except ``Group.drops``), picklable, cheap to ship
-between processes.
+frozen attrs classes: hashable (``Group.drops`` takes no part), picklable, cheap to ship
+between processes. ``to_state()`` / ``from_state()`` give checkpoint state as plain data
+(ints, floats, str, bool, None, lists, dicts and tensors: ``torch.load(weights_only=True)``
+reads it, and it is JSON apart from the tensors).
 """
 
 from __future__ import annotations
@@ -14,24 +16,40 @@ from typing import Any, Literal
 
 import attrs
 import numpy as np
+import torch
 
 from rollpipe._utils.checks import int_at_least
+from rollpipe._utils.freeze import freeze, thaw
 
 EndReason = Literal["terminated", "truncated", "max_turns", "max_length", "error"]
 END_REASONS: tuple[str, ...] = ("terminated", "truncated", "max_turns", "max_length", "error")
-FINISH_REASONS: tuple[str, ...] = ("stop", "length")
+TURN_FINISH_REASONS: tuple[str, ...] = ("stop", "length")
+"""Why a recorded turn's generation ended (an aborted one is regenerated, never recorded)."""
 
 
 def _env_config(
     value: Mapping[str, Any] | Iterable[tuple[str, Any]],
 ) -> tuple[tuple[str, Any], ...]:
-    """Normalise a mapping or pairs into a key-sorted tuple of pairs (hashable, stable)."""
+    """A mapping or pairs as key-sorted pairs of frozen values (hashable, stable)."""
     items = value.items() if isinstance(value, Mapping) else value
-    pairs = tuple((str(k), v) for k, v in items)
+    pairs = tuple((str(k), freeze(v)) for k, v in items)
     keys = [k for k, _ in pairs]
     if len(set(keys)) != len(keys):
         raise ValueError(f"EpisodeSpec.env_config has duplicate keys: {keys}")
     return tuple(sorted(pairs, key=lambda kv: kv[0]))
+
+
+def _ints(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(value)  # no per-id int(): the engine boundary made them Python ints
+
+
+def _floats(value: Iterable[float]) -> tuple[float, ...]:
+    return tuple(value)
+
+
+def _values(x: Any) -> list[Any]:
+    """A tensor (or a list, as JSON gives it back) from state as Python scalars."""
+    return x.tolist() if isinstance(x, torch.Tensor) else list(x)
 
 
 @attrs.frozen
@@ -54,13 +72,21 @@ class EpisodeSpec:
         """``env_config`` as keyword arguments for ``rollpipe.envs.make``."""
         return dict(self.env_config)
 
+    def to_state(self) -> dict[str, Any]:
+        """Plain-data state; ``from_state`` rebuilds an equal spec."""
+        config = {k: thaw(v, f"EpisodeSpec.env_config[{k!r}]") for k, v in self.env_config}
+        return {
+            "group_id": self.group_id,
+            "episode_id": self.episode_id,
+            "seed": self.seed,
+            "env": self.env,
+            "env_config": config,
+            "tag": self.tag,
+        }
 
-def _ints(value: Iterable[int]) -> tuple[int, ...]:
-    return tuple(map(int, value))
-
-
-def _floats(value: Iterable[float]) -> tuple[float, ...]:
-    return tuple(map(float, value))
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> EpisodeSpec:
+        return cls(**state)
 
 
 @attrs.frozen
@@ -85,7 +111,7 @@ class Turn:
     logprobs: tuple[float, ...] = attrs.field(converter=_floats)
     versions: tuple[int, ...] = attrs.field(converter=_ints)
     reward: float = attrs.field(converter=float)
-    finish_reason: str = attrs.field(validator=attrs.validators.in_(FINISH_REASONS))
+    finish_reason: str = attrs.field(validator=attrs.validators.in_(TURN_FINISH_REASONS))
     action_valid: bool = attrs.field(converter=bool)
     action_text: str
     observation: str
@@ -117,6 +143,38 @@ class Turn:
     def length_cut(self) -> bool:
         """Whether the response stopped at ``max_tokens`` rather than at end of turn."""
         return self.finish_reason == "length"
+
+    def to_state(self) -> dict[str, Any]:
+        """Plain-data state: ids and versions as int64 tensors, logprobs as float64 (every
+        Python float exactly); ``from_state`` rebuilds an equal turn."""
+        ids = torch.from_numpy(self.token_array.copy())  # the packed ids: no per-id work
+        return {
+            "prompt_ids": ids[: len(self.prompt_ids)],
+            "response_ids": ids[len(self.prompt_ids) :],
+            "logprobs": torch.tensor(self.logprobs, dtype=torch.float64),
+            "versions": torch.tensor(self.versions, dtype=torch.int64),
+            "reward": self.reward,
+            "finish_reason": self.finish_reason,
+            "action_valid": self.action_valid,
+            "action_text": self.action_text,
+            "observation": self.observation,
+            "stepped": self.stepped,
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> Turn:
+        return cls(
+            prompt_ids=_values(state["prompt_ids"]),
+            response_ids=_values(state["response_ids"]),
+            logprobs=_values(state["logprobs"]),
+            versions=_values(state["versions"]),
+            reward=state["reward"],
+            finish_reason=state["finish_reason"],
+            action_valid=state["action_valid"],
+            action_text=state["action_text"],
+            observation=state["observation"],
+            stepped=state["stepped"],
+        )
 
 
 def _turns(value: Iterable[Turn]) -> tuple[Turn, ...]:
@@ -209,9 +267,27 @@ class Trajectory:
     def step_scores(self) -> list[float]:
         return [t.reward for t in self.turns]
 
-    @property
-    def num_length_cut(self) -> int:
-        return sum(t.length_cut for t in self.turns)
+    def to_state(self) -> dict[str, Any]:
+        """Plain-data state (see ``Turn.to_state``); ``from_state`` rebuilds an equal one."""
+        return {
+            "spec": self.spec.to_state(),
+            "env_id": self.env_id,
+            "turns": [t.to_state() for t in self.turns],
+            "score": self.score,
+            "success": self.success,
+            "end_reason": self.end_reason,
+            "error": self.error,
+            "env_time_s": float(self.env_time_s),
+            "engine_time_s": float(self.engine_time_s),
+            "final_observation": self.final_observation,
+            "history_window": self.history_window,
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> Trajectory:
+        spec = EpisodeSpec.from_state(state["spec"])
+        turns = tuple(Turn.from_state(t) for t in state["turns"])
+        return cls(**{**state, "spec": spec, "turns": turns})
 
 
 def _trajectories(value: Iterable[Trajectory]) -> tuple[Trajectory, ...]:
@@ -250,3 +326,16 @@ class Group:
         """Oldest policy version in the group (-1 if no token was generated)."""
         versions = [t.min_version for t in self.trajectories if t.num_generated_tokens]
         return min(versions) if versions else -1
+
+    def to_state(self) -> dict[str, Any]:
+        """Plain-data state, ``drops`` included; ``from_state`` rebuilds an equal group."""
+        return {
+            "group_id": self.group_id,
+            "trajectories": [t.to_state() for t in self.trajectories],
+            "drops": dict(self.drops),
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> Group:
+        trajectories = tuple(Trajectory.from_state(t) for t in state["trajectories"])
+        return cls(state["group_id"], trajectories, state["drops"])

@@ -1,47 +1,35 @@
-"""Helpers behind ``DataProto``: object columns, value equality, index checks, meta merging,
-concat checks and minibatch orders.
+"""Columns of a ``DataProto``: 1-D object arrays for non-tensors, and the checks that keep
+every column one entry per row (construction, update, union, concat, key lookups).
 
-Kept apart from ``proto.py`` so the class reads as its API; nothing here knows DataProto.
+Nothing here knows DataProto, so ``proto.py`` reads as the class's API.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
-import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
 
-from rollpipe._utils.seeding import derive_seed
-
-if TYPE_CHECKING:
-    from rollpipe.data.proto import DataProto
+from rollpipe.data.equality import values_equal
 
 __all__ = [
     "as_object_column",
-    "check_count",
+    "assign_columns",
+    "build_columns",
     "check_fields",
+    "check_keys",
+    "check_rename",
     "check_same_columns",
     "check_union",
-    "chunk_sizes",
     "coerce_columns",
     "column_rows",
-    "group_indices",
-    "join_tensordict",
+    "concat_columns",
     "keys_arg",
-    "merge_meta_info",
-    "minibatch_orders",
-    "normalize_index",
     "object_array",
-    "pad_dataproto_to_divisor",
-    "pad_to_divisor",
     "short_repr",
-    "split_tensordict",
-    "unpad",
-    "unpad_dataproto",
-    "values_equal",
 ]
 
 
@@ -81,55 +69,6 @@ def as_object_column(key: str, value: Any) -> np.ndarray:
     )
 
 
-def _tensor_equal(a: Tensor, b: Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.device != b.device:
-        b = b.to(a.device)
-    if a.is_floating_point() or a.is_complex():
-        same = (a == b) | (torch.isnan(a) & torch.isnan(b))
-        return bool(same.all())
-    return torch.equal(a, b)
-
-
-def values_equal(a: Any, b: Any) -> bool:
-    """Deep equality for tensors, arrays (object arrays element-wise), mappings and lists.
-
-    NaN equals NaN, so a column that holds NaN still matches itself.
-    """
-    if a is b:
-        return True
-    if isinstance(a, TensorDictBase) or isinstance(b, TensorDictBase):
-        if not (isinstance(a, TensorDictBase) and isinstance(b, TensorDictBase)):
-            return False
-        keys = set(a.keys(include_nested=True, leaves_only=True))
-        if a.batch_size != b.batch_size or keys != set(b.keys(True, True)):
-            return False
-        return all(values_equal(a.get(k), b.get(k)) for k in keys)
-    if isinstance(a, Tensor) or isinstance(b, Tensor):
-        return isinstance(a, Tensor) and isinstance(b, Tensor) and _tensor_equal(a, b)
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or a.shape != b.shape:
-            return False
-        if a.dtype == object or b.dtype == object:
-            return all(values_equal(x, y) for x, y in zip(a.ravel(), b.ravel(), strict=True))
-        return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc" and b.dtype.kind in "fc"))
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return a.keys() == b.keys() and all(values_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return (
-            type(a) is type(b)
-            and len(a) == len(b)
-            and all(values_equal(x, y) for x, y in zip(a, b, strict=True))
-        )
-    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
-        return True  # both NaN
-    try:
-        return bool(a == b)
-    except (TypeError, ValueError):
-        return False
-
-
 def keys_arg(keys: str | Iterable[str] | None, what: str) -> list[str] | None:
     """Normalize a key argument: a single string becomes a one-item list."""
     if keys is None:
@@ -141,130 +80,6 @@ def keys_arg(keys: str | Iterable[str] | None, what: str) -> list[str] | None:
         if not isinstance(k, str):
             raise ValueError(f"{what} must be strings, got {k!r} ({type(k).__name__})")
     return out
-
-
-def normalize_index(idx: Any, n: int) -> np.ndarray:
-    """Row indices (ints, negatives allowed, or a bool mask) as checked int64 positions."""
-    if isinstance(idx, Tensor):
-        arr = idx.detach().cpu().numpy()
-    elif isinstance(idx, np.ndarray):
-        arr = idx
-    elif isinstance(idx, (list, range)):
-        arr = np.asarray(idx) if len(idx) else np.zeros(0, dtype=np.int64)
-    else:
-        raise IndexError(
-            f"cannot index rows with {type(idx).__name__}; use an int, a slice, a list / numpy "
-            "array / tensor of ints, a bool mask, or a column name"
-        )
-    if arr.ndim != 1:
-        raise IndexError(f"row indices must be 1-D, got shape {arr.shape}; flatten them first")
-    if arr.dtype == bool:
-        if arr.shape[0] != n:
-            raise IndexError(
-                f"bool mask has {arr.shape[0]} entries but the DataProto has {n} rows; "
-                "pass exactly one entry per row"
-            )
-        return np.flatnonzero(arr).astype(np.int64)
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise IndexError(f"row indices must be integers or bools, got dtype {arr.dtype}")
-    arr = arr.astype(np.int64)
-    bad = (arr < -n) | (arr >= n)
-    if bad.any():
-        raise IndexError(
-            f"row index {int(arr[bad][0])} is out of range for a DataProto with {n} rows "
-            f"(valid indices are -{n}..{n - 1})"
-        )
-    return np.where(arr < 0, arr + n, arr)
-
-
-def check_count(value: Any, name: str, minimum: int = 1) -> int:
-    """Validate an integer argument such as ``chunks`` or ``batch_size``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def chunk_sizes(n: int, chunks: int) -> list[int]:
-    """Sizes of ``chunks`` pieces of ``n`` rows, as ``numpy.array_split`` makes them."""
-    chunks = check_count(chunks, "chunks")
-    if chunks > n:
-        raise ValueError(
-            f"cannot split {n} rows into {chunks} chunks (more chunks than rows); use at most "
-            f"{n} chunks or pad first with rollpipe.data.proto.pad_to_divisor(dp, {chunks})"
-        )
-    base, extra = divmod(n, chunks)
-    return [base + 1 if i < extra else base for i in range(chunks)]
-
-
-def _freeze(value: Any) -> Any:
-    """Lists, arrays and tensors as (nested) tuples, so they can be dict keys."""
-    if isinstance(value, (Tensor, np.ndarray)):
-        value = value.tolist()
-    if isinstance(value, (list, tuple)):
-        return tuple(_freeze(v) for v in value)
-    return value
-
-
-def _hashable(value: Any, key: str, row: int) -> Hashable:
-    value = _freeze(value)
-    try:
-        hash(value)
-    except TypeError:
-        raise ValueError(
-            f"group_by key {key!r} holds an unhashable {type(value).__name__} at row {row}; "
-            "group by a column of strings or numbers"
-        ) from None
-    return value
-
-
-def group_indices(columns: Mapping[str, Sequence[Any]], n: int) -> dict[Any, list[int]]:
-    """Row positions per distinct key value (a tuple for several keys), first-seen order."""
-    names = list(columns)
-    groups: dict[Any, list[int]] = {}
-    per_key = [columns[k] for k in names]
-    for row in range(n):
-        parts = [_hashable(col[row], name, row) for name, col in zip(names, per_key, strict=True)]
-        group = parts[0] if len(parts) == 1 else tuple(parts)
-        groups.setdefault(group, []).append(row)
-    return groups
-
-
-def merge_meta_info(metas: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Merge the meta_info of concatenated parts.
-
-    ``metrics`` (a dict of values, or a list of such dicts, per part) becomes one dict of
-    lists: list values are extended, scalars appended. Any other key must be equal in all
-    parts that hold it.
-    """
-    merged: dict[str, Any] = {}
-    first_part: dict[str, int] = {}
-    metrics: dict[str, list[Any]] | None = None
-    for i, meta in enumerate(metas):
-        for key, value in meta.items():
-            if key == "metrics":
-                if value is None:
-                    continue
-                if metrics is None:
-                    metrics = merged["metrics"] = {}
-                for entry in value if isinstance(value, list) else [value]:
-                    if not isinstance(entry, Mapping):
-                        raise ValueError(
-                            f"meta_info['metrics'] of part {i} must be a dict of metric values "
-                            f"(or a list of dicts), got {short_repr(entry)}"
-                        )
-                    for name, v in entry.items():
-                        bucket = metrics.setdefault(name, [])
-                        bucket.extend(v) if isinstance(v, list) else bucket.append(v)
-            elif key not in merged:
-                merged[key] = value
-                first_part[key] = i
-            elif not values_equal(merged[key], value):
-                raise ValueError(
-                    f"meta_info key {key!r} conflicts: part {first_part[key]} has "
-                    f"{short_repr(merged[key])} but part {i} has {short_repr(value)}; make the "
-                    "values equal or pop the key before concat"
-                )
-    return merged
 
 
 def column_rows(key: str, value: Any) -> tuple[Any, int]:
@@ -310,39 +125,6 @@ def check_same_columns(parts: Sequence[tuple[TensorDictBase | None, Mapping[str,
                     "dtype and every dimension but the first (pad rows to one length, e.g. "
                     "rollpipe.data.padding.pad_1d(..., length=L))"
                 )
-
-
-def split_tensordict(td: TensorDictBase) -> tuple[list[str], dict[str, np.ndarray], dict[str, Any]]:
-    """Tensor keys, NonTensorStack columns (as object arrays) and NonTensorData values of td."""
-    if td.batch_dims != 1:
-        raise ValueError(
-            f"from_tensordict needs a TensorDict with one batch dimension, got batch_size="
-            f"{list(td.batch_size)}; set batch_size=[num_rows]"
-        )
-    tensor_keys: list[str] = []
-    columns: dict[str, np.ndarray] = {}
-    meta: dict[str, Any] = {}
-    for key, value in td.items():
-        if isinstance(value, NonTensorStack):
-            columns[key] = object_array(value.tolist())
-        elif isinstance(value, NonTensorData):
-            meta[key] = value.data
-        else:
-            tensor_keys.append(key)
-    return tensor_keys, columns, meta
-
-
-def minibatch_orders(
-    n: int, size: int, shuffle: bool, seed: int, epochs: int, drop_last: bool
-) -> Iterator[np.ndarray]:
-    """Row positions of each minibatch; epoch ``e`` shuffles with ``derive_seed(seed, e)``."""
-    stop = n - n % size if drop_last else n
-    for epoch in range(epochs):
-        order = np.arange(n)
-        if shuffle:
-            order = np.random.default_rng(derive_seed(seed, epoch)).permutation(n)
-        for start in range(0, stop, size):
-            yield order[start : start + size]
 
 
 def coerce_columns(
@@ -404,41 +186,80 @@ def check_union(mine: Mapping[str, Any], theirs: Mapping[str, Any], what: str) -
             )
 
 
-def join_tensordict(
-    batch: TensorDictBase | None, columns: Mapping[str, np.ndarray], meta: Mapping[str, Any], n: int
-) -> TensorDictBase:
-    """One TensorDict as verl lays it out: tensors, columns as NonTensorStack, meta_info
-    entries as NonTensorData (the inverse of ``split_tensordict``)."""
-    td = batch.copy() if batch is not None else TensorDict({}, batch_size=[n])
-    for key, col in columns.items():
-        td.set(key, NonTensorStack.from_list(list(col)))
-    for key, value in meta.items():
-        if key in td:
-            raise ValueError(f"meta_info key {key!r} is also a column; rename one of them")
-        td.set_non_tensor(key, value)
-    return td
+def check_keys(
+    batch: TensorDictBase | None,
+    columns: Mapping[str, Any],
+    meta: Mapping[str, Any],
+    wanted: tuple[Sequence[str], Sequence[str], Sequence[str]],
+) -> None:
+    """The batch, non_tensor_batch and meta_info keys in ``wanted`` all exist, else a
+    KeyError listing the keys there are."""
+    batch_keys = list(batch.keys()) if batch is not None else []
+    for kind, keys, have in zip(
+        ("batch", "non_tensor_batch", "meta_info"),
+        wanted,
+        (batch_keys, list(columns), list(meta)),
+        strict=True,
+    ):
+        for key in keys:
+            if key not in have:
+                raise KeyError(f"{kind} key {key!r} not found; {kind} keys are {have}")
 
 
-def pad_to_divisor(dp: DataProto, size_divisor: int) -> tuple[DataProto, int]:
-    """Pad ``dp`` to a multiple of ``size_divisor`` rows by repeating rows from the start
-    (as verl); returns ``(padded, pad_size)``."""
-    k = check_count(size_divisor, "size_divisor")
-    n = len(dp)
-    pad_size = (-n) % k
-    if pad_size == 0:
-        return dp, 0
-    padded = type(dp).concat([dp, dp.select_idxs(np.arange(pad_size) % n)])
-    padded.meta_info = dict(dp.meta_info)  # not merged: metrics would be counted twice
-    return padded, pad_size
+def check_rename(old: Sequence[str], new: Sequence[str], present: Sequence[str]) -> None:
+    """``rename``'s precondition: pairs of keys, each old key present, no new key taken."""
+    if len(old) != len(new):
+        raise ValueError(f"rename got {len(old)} old_keys but {len(new)} new_keys")
+    for o, nk in zip(old, new, strict=True):
+        if o not in present:
+            raise KeyError(f"cannot rename {o!r}: no such column; columns are {list(present)}")
+        if nk != o and nk in present:
+            raise ValueError(f"cannot rename {o!r} to {nk!r}: {nk!r} exists; pop it first")
 
 
-def unpad(dp: DataProto, pad_size: int) -> DataProto:
-    """Drop the last ``pad_size`` rows that ``pad_to_divisor`` added."""
-    pad = check_count(pad_size, "pad_size", minimum=0)
-    if pad > len(dp):
-        raise ValueError(f"pad_size={pad} is larger than the DataProto's {len(dp)} rows")
-    return dp.slice(0, len(dp) - pad) if pad else dp
+def build_columns(
+    tensors: Mapping[str, Any], non_tensors: Mapping[str, Any]
+) -> tuple[TensorDict | None, dict[str, np.ndarray]]:
+    """``from_dict``'s columns: the tensors as one TensorDict (None when there are none)
+    and the rest as object arrays, every column with the same number of rows."""
+    for key, value in tensors.items():
+        if not isinstance(value, Tensor):
+            raise ValueError(
+                f"tensors[{key!r}] is a {type(value).__name__}, not a tensor; pass it in "
+                "non_tensors (or use DataProto.from_single_dict)"
+            )
+        if key in non_tensors:
+            raise ValueError(f"key {key!r} is in both tensors and non_tensors; keep one")
+    checked, n = coerce_columns({**tensors, **non_tensors})
+    batch = TensorDict({k: checked[k] for k in tensors}, [n or 0]) if tensors else None
+    return batch, {k: checked[k] for k in non_tensors}
 
 
-pad_dataproto_to_divisor = pad_to_divisor  # the verl / ROLL names
-unpad_dataproto = unpad
+def concat_columns(
+    parts: Sequence[tuple[TensorDictBase | None, Mapping[str, np.ndarray], int]],
+) -> tuple[TensorDictBase | None, dict[str, np.ndarray]]:
+    """The rows of ``(batch, columns, num_rows)`` parts, in order (keys must match)."""
+    check_same_columns([(batch, cols) for batch, cols, _ in parts])
+    columns = {k: np.concatenate([cols[k] for _, cols, _ in parts]) for k in parts[0][1]}
+    if all(batch is None for batch, _, _ in parts):
+        return None, columns
+    tds = [batch if batch is not None else TensorDict({}, [n]) for batch, _, n in parts]
+    return TensorDict.cat(tds, dim=0), columns
+
+
+def assign_columns(
+    batch: TensorDictBase | None, columns: dict[str, np.ndarray], values: Mapping[str, Any], n: int
+) -> TensorDictBase | None:
+    """``update``'s writes: object arrays into ``columns``, tensors into ``batch`` (made for
+    ``n`` rows if None); a key whose kind changed moves. Returns the batch."""
+    for key, value in values.items():
+        if isinstance(value, np.ndarray):
+            if batch is not None and key in batch:
+                del batch[key]
+            columns[key] = value
+        else:
+            columns.pop(key, None)
+            if batch is None:
+                batch = TensorDict({}, batch_size=[n])
+            batch.set(key, value)
+    return batch

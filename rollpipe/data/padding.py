@@ -17,6 +17,8 @@ import attrs
 import torch
 from torch import Tensor
 
+from rollpipe._utils.checks import check_int
+
 __all__ = [
     "FlatLayout",
     "PaddedTokens",
@@ -26,7 +28,7 @@ __all__ = [
     "padded_length",
     "padded_tokens",
     "position_ids_from_mask",
-    "unpad",
+    "unpad_rows",
 ]
 
 Side = Literal["right", "left"]
@@ -42,10 +44,8 @@ def padded_length(lengths: Sequence[int] | Tensor, multiple_of: int | None = Non
 
     An empty ``lengths`` gives 0.
     """
-    if multiple_of is not None and (
-        isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1
-    ):
-        raise ValueError(f"multiple_of must be a positive int or None, got {multiple_of!r}")
+    if multiple_of is not None:
+        check_int("multiple_of", multiple_of, 1)
     if isinstance(lengths, Tensor):
         longest = int(lengths.max().item()) if lengths.numel() else 0
     else:
@@ -263,7 +263,7 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     return torch.clip(torch.cumsum(attention_mask.to(torch.long), dim=-1) - 1, min=0)
 
 
-def unpad(padded: Tensor, attention_mask: Tensor) -> list[Tensor]:
+def unpad_rows(padded: Tensor, attention_mask: Tensor) -> list[Tensor]:
     """The rows of a padded ``[B, L]`` batch: the exact inverse of ``pad_1d`` / ``pad_tokens``."""
     if padded.dim() != 2 or padded.shape != attention_mask.shape:
         raise ValueError(

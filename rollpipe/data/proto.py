@@ -19,31 +19,32 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
 
-from rollpipe._utils.seeding import derive_seed
 from rollpipe.data.columns import (
     as_object_column,
-    check_count,
+    assign_columns,
+    build_columns,
     check_fields,
-    check_same_columns,
+    check_keys,
+    check_rename,
     check_union,
-    chunk_sizes,
     coerce_columns,
-    group_indices,
-    join_tensordict,
+    concat_columns,
     keys_arg,
-    merge_meta_info,
+)
+from rollpipe.data.equality import values_equal
+from rollpipe.data.indexing import (
+    check_count,
+    check_permutation,
+    chunk_sizes,
+    group_indices,
     minibatch_orders,
     normalize_index,
-    pad_dataproto_to_divisor,
-    pad_to_divisor,
-    short_repr,
-    split_tensordict,
-    unpad,
-    unpad_dataproto,
-    values_equal,
+    repeat_counts,
 )
+from rollpipe.data.meta import merge_meta_info
+from rollpipe.data.tensordicts import join_tensordict, split_tensordict
 
-__all__ = ["DataProto", "pad_dataproto_to_divisor", "pad_to_divisor", "unpad", "unpad_dataproto"]
+__all__ = ["DataProto"]
 
 KeysArg = str | Iterable[str] | None
 
@@ -78,18 +79,7 @@ class DataProto:
         meta_info: Mapping[str, Any] | None = None,
     ) -> DataProto:
         """Build from tensors (first dim = rows) and per-row non-tensor sequences."""
-        tensors, non_tensors = dict(tensors or {}), dict(non_tensors or {})
-        for key, value in tensors.items():
-            if not isinstance(value, Tensor):
-                raise ValueError(
-                    f"tensors[{key!r}] is a {type(value).__name__}, not a tensor; pass it in "
-                    "non_tensors (or use DataProto.from_single_dict)"
-                )
-            if key in non_tensors:
-                raise ValueError(f"key {key!r} is in both tensors and non_tensors; keep one")
-        checked, n = coerce_columns({**tensors, **non_tensors})
-        batch = TensorDict({k: checked[k] for k in tensors}, [n or 0]) if tensors else None
-        columns = {k: checked[k] for k in non_tensors}
+        batch, columns = build_columns(dict(tensors or {}), dict(non_tensors or {}))
         return cls(batch=batch, non_tensor_batch=columns, meta_info=meta_info)
 
     @classmethod
@@ -188,11 +178,8 @@ class DataProto:
         self.update({key: value})
 
     def _take(self, idx: np.ndarray) -> DataProto:
-        batch = (
-            None
-            if self.batch is None
-            else self.batch[torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int64))]
-        )
+        rows = torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int64))
+        batch = None if self.batch is None else self.batch[rows]
         columns = {k: v[idx] for k, v in self.non_tensor_batch.items()}
         return self._derive(batch, columns, dict(self.meta_info))
 
@@ -213,13 +200,7 @@ class DataProto:
 
     def reorder(self, indices: Any) -> None:
         """Permute the rows in place (as verl); ``indices`` must be a permutation of the rows."""
-        idx = normalize_index(indices, len(self))
-        if len(idx) != len(self) or len(np.unique(idx)) != len(self):
-            raise ValueError(
-                f"reorder needs a permutation of all {len(self)} rows, got {len(idx)} indices "
-                f"with {len(np.unique(idx))} distinct; use select_idxs to pick or repeat rows"
-            )
-        taken = self._take(idx)
+        taken = self._take(check_permutation(normalize_index(indices, len(self)), len(self)))
         self.batch, self.non_tensor_batch = taken.batch, taken.non_tensor_batch
 
     def repeat(self, repeat_times: int = 2, interleave: bool = True) -> DataProto:
@@ -230,29 +211,10 @@ class DataProto:
 
     def sample_level_repeat(self, repeat_times: Sequence[int] | np.ndarray | Tensor) -> DataProto:
         """Row ``i`` repeated ``repeat_times[i]`` times (0 drops it), in row order."""
-        raw = repeat_times.cpu().numpy() if isinstance(repeat_times, Tensor) else repeat_times
-        counts = np.asarray(raw) if len(raw) else np.zeros(0, dtype=np.int64)
-        if counts.ndim != 1 or len(counts) != len(self):
-            raise ValueError(
-                f"sample_level_repeat needs one count per row: got {counts.size} counts for "
-                f"{len(self)} rows"
-            )
-        if len(counts) and (not np.issubdtype(counts.dtype, np.integer) or counts.min() < 0):
-            raise ValueError(f"repeat counts must be non-negative ints, got {short_repr(counts)}")
-        return self._take(np.repeat(np.arange(len(self)), counts.astype(np.int64)))
+        counts = repeat_counts(repeat_times, len(self))
+        return self._take(np.repeat(np.arange(len(self)), counts))
 
     # ----------------------------------------------------------------- columns
-    def _check_keys(self, bkeys: list[str], nkeys: list[str], mkeys: list[str]) -> None:
-        batch_keys = list(self.batch.keys()) if self.batch is not None else []
-        for kind, keys, have in (
-            ("batch", bkeys, batch_keys),
-            ("non_tensor_batch", nkeys, list(self.non_tensor_batch)),
-            ("meta_info", mkeys, list(self.meta_info)),
-        ):
-            for key in keys:
-                if key not in have:
-                    raise KeyError(f"{kind} key {key!r} not found; {kind} keys are {have}")
-
     def select(
         self,
         batch_keys: KeysArg = None,
@@ -265,7 +227,8 @@ class DataProto:
         bkeys = keys_arg(batch_keys, "batch_keys")
         nkeys = keys_arg(non_tensor_batch_keys, "non_tensor_batch_keys")
         mkeys = keys_arg(meta_info_keys, "meta_info_keys")
-        self._check_keys(bkeys or [], nkeys or [], mkeys or [])
+        wanted = (bkeys or [], nkeys or [], mkeys or [])
+        check_keys(self.batch, self.non_tensor_batch, self.meta_info, wanted)
         batch = self.batch
         if batch is not None:
             batch = batch.select(*bkeys) if bkeys is not None else batch.copy()
@@ -288,7 +251,7 @@ class DataProto:
         bkeys = keys_arg(batch_keys, "batch_keys") or []
         nkeys = keys_arg(non_tensor_batch_keys, "non_tensor_batch_keys") or []
         mkeys = keys_arg(meta_info_keys, "meta_info_keys") or []
-        self._check_keys(bkeys, nkeys, mkeys)
+        check_keys(self.batch, self.non_tensor_batch, self.meta_info, (bkeys, nkeys, mkeys))
         n = len(self)
         popped = TensorDict({k: self.batch.pop(k) for k in bkeys}, batch_size=[n])  # type: ignore[union-attr]
         columns = {k: self.non_tensor_batch.pop(k) for k in nkeys}
@@ -301,13 +264,7 @@ class DataProto:
         """Rename columns in place (in batch or non_tensor_batch, wherever each lives)."""
         old = keys_arg(old_keys, "old_keys") or []
         new = keys_arg(new_keys, "new_keys") or []
-        if len(old) != len(new):
-            raise ValueError(f"rename got {len(old)} old_keys but {len(new)} new_keys")
-        for o, nk in zip(old, new, strict=True):
-            if o not in self:
-                raise KeyError(f"cannot rename {o!r}: no such column; columns are {self.keys()}")
-            if nk != o and nk in self:
-                raise ValueError(f"cannot rename {o!r} to {nk!r}: {nk!r} exists; pop it first")
+        check_rename(old, new, self.keys())
         for o, nk in zip(old, new, strict=True):
             if o in self.non_tensor_batch:
                 self.non_tensor_batch[nk] = self.non_tensor_batch.pop(o)
@@ -344,16 +301,7 @@ class DataProto:
             self.meta_info.update(other.meta_info)
             return self
         values, n = coerce_columns(other, len(self) if self.keys() else None)
-        for key, value in values.items():
-            if isinstance(value, np.ndarray):
-                if self.batch is not None and key in self.batch:
-                    del self.batch[key]
-                self.non_tensor_batch[key] = value
-            else:
-                self.non_tensor_batch.pop(key, None)
-                if self.batch is None:
-                    self.batch = TensorDict({}, batch_size=[n or 0])
-                self.batch.set(key, value)
+        self.batch = assign_columns(self.batch, self.non_tensor_batch, values, n or 0)
         self.check_consistency()
         return self
 
@@ -368,15 +316,7 @@ class DataProto:
         for i, part in enumerate(parts):
             if not isinstance(part, DataProto):
                 raise ValueError(f"concat part {i} is a {type(part).__name__}, not a DataProto")
-        check_same_columns([(p.batch, p.non_tensor_batch) for p in parts])
-        columns = {
-            k: np.concatenate([p.non_tensor_batch[k] for p in parts])
-            for k in parts[0].non_tensor_batch
-        }
-        batch = None
-        if any(p.batch is not None for p in parts):
-            tds = [p.batch if p.batch is not None else TensorDict({}, [len(p)]) for p in parts]
-            batch = TensorDict.cat(tds, dim=0)
+        batch, columns = concat_columns([(p.batch, p.non_tensor_batch, len(p)) for p in parts])
         return cls(batch, columns, merge_meta_info([p.meta_info for p in parts]))
 
     def chunk(self, chunks: int) -> list[DataProto]:
@@ -394,13 +334,10 @@ class DataProto:
         names = keys_arg(keys, "group_by keys") or []
         if not names:
             raise ValueError("group_by needs at least one key")
-        cols: dict[str, Sequence[Any]] = {}
         for key in names:
             if key not in self:
                 raise KeyError(f"group_by key {key!r} not found; columns are {self.keys()}")
-            col = self[key]
-            cols[key] = col.tolist() if isinstance(col, Tensor) else col
-        groups = group_indices(cols, len(self))
+        groups = group_indices({k: self[k] for k in names}, len(self))
         return {g: self._take(np.asarray(rows, dtype=np.int64)) for g, rows in groups.items()}
 
     def iter_minibatches(
@@ -413,15 +350,7 @@ class DataProto:
     ) -> Iterator[DataProto]:
         """Minibatches over ``epochs`` passes; the shuffle of epoch ``e`` is seeded with
         ``derive_seed(seed, e)``, so the order depends on ``seed`` only."""
-        size = check_count(batch_size, "batch_size")
-        epochs = check_count(epochs, "epochs")
-        if drop_last and size > len(self):
-            raise ValueError(
-                f"batch_size={size} is larger than the {len(self)} rows, so drop_last=True "
-                "would yield nothing; lower batch_size or set drop_last=False"
-            )
-        derive_seed(seed)  # validate now, not at the first next()
-        orders = minibatch_orders(len(self), size, shuffle, seed, epochs, drop_last)
+        orders = minibatch_orders(len(self), batch_size, shuffle, seed, epochs, drop_last)
         return (self._take(order) for order in orders)
 
     # ----------------------------------------------------------------- copies, devices, disk

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from rollpipe.agent.records import Trajectory
+from rollpipe.data.columns import object_array
 from rollpipe.data.padding import FlatLayout, flat_layout, padded_tokens
 from rollpipe.data.proto import DataProto
 
@@ -52,13 +53,6 @@ def state_hash(group_id: int, observation: str) -> int:
         f"{group_id}\x00{observation}".encode(), digest_size=8, person=b"rollpipe"
     ).digest()
     return int.from_bytes(digest, "little", signed=True)
-
-
-def _objects(values: Sequence[Any]) -> np.ndarray:
-    out = np.empty(len(values), dtype=object)
-    for i, v in enumerate(values):
-        out[i] = v
-    return out
 
 
 class _Stream:
@@ -210,10 +204,10 @@ def _label_columns(
     """The object columns: each trajectory's labels, repeated once per row it gave."""
 
     def col(values: list[Any]) -> np.ndarray:
-        return _objects(_repeat(values, repeats))
+        return object_array(_repeat(values, repeats))
 
     return {
-        "step_scores": _objects(step_scores),
+        "step_scores": object_array(step_scores),
         "tags": col([t.tag for t in trajectories]),
         "end_reasons": col([t.end_reason for t in trajectories]),
         "uid": col([t.group_uid for t in trajectories]),

@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import attrs
 
+from rollpipe._utils.checks import int_at_least
 from rollpipe.envs.parsing import (
     DEFAULT_ANSWER_FORMAT,
     DEFAULT_ANSWER_PATTERN,
@@ -71,16 +72,6 @@ def check_seed(seed: object) -> int:
 
 
 # ---- attrs validators shared by the env configs ------------------------------------
-
-
-def int_at_least(minimum: int) -> Any:
-    """Validator: an int (not bool) >= ``minimum``."""
-
-    def _check(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"{attribute.name} must be an int >= {minimum}, got {value!r}")
-
-    return _check
 
 
 def finite_number(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:

@@ -15,11 +15,11 @@ from typing import Any, ClassVar
 import attrs
 import numpy as np
 
+from rollpipe._utils.checks import int_at_least
 from rollpipe.envs.base import (
     GridTextEnv,
     TextEnvConfig,
     finite_number,
-    int_at_least,
     optional_str,
 )
 from rollpipe.envs.parsing import DEFAULT_ANSWER_FORMAT, DEFAULT_ANSWER_PATTERN

@@ -14,6 +14,7 @@ from typing import Any
 import attrs
 from torchdata.nodes import BaseNode
 
+from rollpipe._utils.checks import check_int
 from rollpipe.agent.records import Group, Trajectory
 
 
@@ -62,18 +63,19 @@ class Batch(BaseNode[TrajectoryBatch]):
 
     @staticmethod
     def _check_size(n: int) -> None:
-        if n == 0 or n < -1:
-            raise ValueError(f"Batch: num_trajectories must be >= 1 or -1 (all), got {n}")
+        if n != -1:
+            check_int("Batch.num_trajectories (or -1: all)", n, 1)
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self.source.reset(None if initial_state is None else initial_state["source"])
-        self._carry = [] if initial_state is None else list(initial_state["carry"])
+        carry = [] if initial_state is None else initial_state["carry"]
+        self._carry = [Group.from_state(g) for g in carry]
         self._start = self._last_emit = time.perf_counter()
         self._stream_tokens = 0
 
     def get_state(self) -> dict[str, Any]:
-        return {"source": self.source.state_dict(), "carry": list(self._carry)}
+        return {"source": self.source.state_dict(), "carry": [g.to_state() for g in self._carry]}
 
     def next(self) -> TrajectoryBatch:
         target = self.num_trajectories

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from torchdata.nodes import BaseNode
 
+from rollpipe._utils.checks import check_int
 from rollpipe.agent.records import Group, Trajectory
 from rollpipe.data.metrics import batch_metrics
 from rollpipe.data.proto import DataProto
@@ -39,10 +40,8 @@ class Collate(BaseNode[DataProto]):
         super().__init__()
         if level not in ("trajectory", "step"):
             raise ValueError(f"Collate: level must be 'trajectory' or 'step', got {level!r}")
-        if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
-            raise ValueError(
-                f"Collate: pad_to_multiple_of must be >= 1 or None, got {pad_to_multiple_of}"
-            )
+        if pad_to_multiple_of is not None:
+            check_int("Collate.pad_to_multiple_of (or None)", pad_to_multiple_of, 1)
         self.source = source
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of

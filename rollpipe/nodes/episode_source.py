@@ -14,7 +14,7 @@ import attrs
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from rollpipe._utils.checks import float_in
+from rollpipe._utils.checks import check_int, float_in
 from rollpipe._utils.seeding import derive_seed
 from rollpipe.agent.records import EpisodeSpec
 from rollpipe.nodes.signals import RolloutControl
@@ -33,15 +33,6 @@ class EnvChoice:
     def label(self) -> str:
         """The tag rows carry: the explicit tag, else the env name."""
         return self.tag or self.name
-
-
-def _frozen(value: Any) -> Any:
-    """Lists and dicts from YAML made hashable (tuples), so specs can key env pools."""
-    if isinstance(value, (list, tuple)):
-        return tuple(_frozen(v) for v in value)
-    if isinstance(value, Mapping):
-        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
-    return value
 
 
 def as_env_choices(envs: str | EnvChoice | Sequence[str | EnvChoice]) -> tuple[EnvChoice, ...]:
@@ -80,14 +71,11 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
         control: RolloutControl | None = None,
     ) -> None:
         super().__init__()
-        if num_groups is not None and num_groups < 0:
-            raise ValueError(f"num_groups must be >= 0 or None (endless), got {num_groups}")
-        if group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {group_size}")
-        if redundancy < 0:
-            raise ValueError(f"redundancy must be >= 0, got {redundancy}")
-        if seed < 0:
-            raise ValueError(f"seed must be >= 0, got {seed}")
+        if num_groups is not None:
+            check_int("EpisodeSource.num_groups (or None: endless)", num_groups, 0)
+        check_int("EpisodeSource.group_size", group_size, 1)
+        check_int("EpisodeSource.redundancy", redundancy, 0)
+        check_int("EpisodeSource.seed", seed, 0)
         self.num_groups = num_groups
         self.group_size = group_size
         self.redundancy = redundancy
@@ -131,7 +119,7 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
             episode_id=group_id * self.members_per_group + member,
             seed=derive_seed(self.seed, group_id),
             env=env.name,
-            env_config=tuple(sorted((k, _frozen(v)) for k, v in env.config.items())),
+            env_config=env.config,  # frozen (hashable, sorted) by EpisodeSpec
             tag=env.label,
         )
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from rollpipe._utils.checks import check_int
 from rollpipe.agent.records import Group, Trajectory
 from rollpipe.nodes.signals import RolloutControl
 
@@ -79,17 +80,11 @@ class GroupAssembler(BaseNode[Group]):
         max_drops_in_a_row: int = 1000,
     ) -> None:
         super().__init__()
-        if max_drops_in_a_row < 1:
-            raise ValueError(
-                f"GroupAssembler: max_drops_in_a_row must be >= 1, got {max_drops_in_a_row}"
-            )
-        if group_size < 1:
-            raise ValueError(f"GroupAssembler: group_size must be >= 1, got {group_size}")
-        if redundancy < 0:
-            raise ValueError(f"GroupAssembler: redundancy must be >= 0, got {redundancy}")
+        check_int("GroupAssembler.max_drops_in_a_row", max_drops_in_a_row, 1)
+        check_int("GroupAssembler.group_size", group_size, 1)
+        check_int("GroupAssembler.redundancy", redundancy, 0)
         if max_staleness is not None:
-            if max_staleness < 0:
-                raise ValueError(f"GroupAssembler: max_staleness must be >= 0, got {max_staleness}")
+            check_int("GroupAssembler.max_staleness (or None)", max_staleness, 0)
             if current_version is None:
                 raise ValueError(
                     "GroupAssembler: max_staleness needs current_version "
@@ -120,7 +115,10 @@ class GroupAssembler(BaseNode[Group]):
             self.source.reset(None)
             return
         self.source.reset(initial_state["source"])
-        self._members = {int(g): list(ts) for g, ts in initial_state["members"].items()}
+        self._members = {
+            int(g): [Trajectory.from_state(t) for t in ts]
+            for g, ts in initial_state["members"].items()
+        }
         self._errors = Counter({int(g): n for g, n in initial_state["errors"].items()})
         self._closed = set(initial_state["closed"])
         self._drops = Counter(initial_state["drops"])
@@ -128,7 +126,7 @@ class GroupAssembler(BaseNode[Group]):
     def get_state(self) -> dict[str, Any]:
         return {
             "source": self.source.state_dict(),
-            "members": {g: list(ts) for g, ts in self._members.items()},
+            "members": {g: [t.to_state() for t in ts] for g, ts in self._members.items()},
             "errors": dict(self._errors),
             "closed": sorted(self._closed),
             "drops": dict(self._drops),

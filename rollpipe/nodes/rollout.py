@@ -1,19 +1,21 @@
 """Rollout: many episodes at once, every live request in flight together.
 
-Each episode is a coroutine (``rollpipe.agent.episode.run_episode``). Up to ``concurrency``
-run on one event loop, so all of their engine requests reach the engine together and
-its continuous batching does the batching: no lockstep turns, and a long episode never
-holds back the others. The loop is the engine's own (``engine.loop_thread``) by default:
-between two engine steps, the episodes whose turn just ended build and submit their
-next request, which joins the very next step; no thread hop, no GIL hand-offs. Env
-calls run inline on that loop, or on a thread pool with ``env_workers > 0``.
+Each episode is a coroutine (``rollpipe.agent.episode.run_episode``). Up to
+``concurrency`` run on the engine's runtime (``engine.runtime``), so all of their engine
+requests reach the engine together and its continuous batching does the batching: no
+lockstep turns, and a long episode never holds back the others. Between two engine
+steps, the episodes whose turn just ended submit their next request, which joins the
+very next step: no thread hop. Env calls run inline on the loop, or on a thread pool with
+``env_workers > 0``.
 
-Collection continues in the background between ``next()`` calls — while the trainer
-computes — up to ``max_buffered`` finished trajectories; ``suspend()`` (the admission
-gate) stops it. With ``in_order=True`` (as in torchdata's ``ParallelMapper``)
-trajectories come out in admission order, which makes runs and checkpoint restores
-reproducible; ``in_order=False`` yields them as they finish. A checkpoint records the
-specs admitted but not yet yielded; a restore re-runs them, and their derived seeds
+The upstream node is pulled on a thread of its own, never on the loop, so a slow or
+blocking node before the rollout does not stall generation. Collection continues in the
+background between ``next()`` calls — while the trainer computes — up to
+``max_buffered`` finished trajectories; the admission gate (``RolloutControl``) stops
+it. With ``in_order=True`` (as torchdata's ``ParallelMapper``) trajectories come out in
+admission order, which makes runs and checkpoint restores reproducible;
+``in_order=False`` yields them as they finish. A checkpoint records the specs admitted
+but not yet yielded (as plain data); a restore re-runs them, and their derived seeds
 reproduce them.
 """
 
@@ -21,32 +23,27 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
+import time
 from collections import deque
-from collections.abc import Callable, Coroutine, Hashable
-from typing import Any, TypeVar
+from typing import Any
 
 from torchdata.nodes import BaseNode
 
+from rollpipe._utils.checks import check_int
+from rollpipe._utils.threads import shutdown_within
 from rollpipe.agent.chat import ChatFormat
+from rollpipe.agent.env_pool import EnvForSpec, EnvPool
 from rollpipe.agent.episode import run_episode
 from rollpipe.agent.records import EpisodeSpec, Trajectory
-from rollpipe.engines.base import Engine, EngineClosedError, SamplingParams
-from rollpipe.envs import make as make_env
+from rollpipe.engines.base import Engine, SamplingParams
+from rollpipe.nodes.closing import close_chain
 from rollpipe.nodes.signals import RolloutControl
-from rollpipe.runtime import Runtime
-
-T = TypeVar("T")
-EnvFactory = Callable[[EpisodeSpec], Any]
-"""Builds an environment for a spec; the default uses ``rollpipe.envs.make``."""
+from rollpipe.runtime import Runtime, RuntimeClosedError, Signal
 
 _END = object()  # the stream is over (a coroutine cannot raise StopIteration)
-_TICK_S = 0.02  # how often the driver looks at the gate, cancellations and capacity
-
-
-def registry_env_factory(spec: EpisodeSpec) -> Any:
-    """The env named by the spec, from the registry, with the spec's config."""
-    return make_env(spec.env, **dict(spec.env_config))
+CLOSE_WAIT_S = 0.5  # how long close() waits for episodes and threads to stop
 
 
 class Rollout(BaseNode[Trajectory]):
@@ -67,11 +64,6 @@ class Rollout(BaseNode[Trajectory]):
         max_buffered: finished trajectories held, not yet yielded, before admission
             pauses (default ``4 * concurrency``).
         control: shared :class:`RolloutControl` (admission gate, cancelled groups).
-        engine_loop: run the episodes on the engine's own event-loop thread when it has
-            one (``engine.loop_thread``: every ``BaseEngine``), so a finished turn's next
-            request reaches the engine before its next step, with no thread hop and no
-            GIL hand-offs between two busy threads; ``False`` (or an engine without
-            one) gives the rollout a thread of its own.
         episode_kwargs: passed to ``run_episode`` (``raise_env_errors``, ``on_length``...).
     """
 
@@ -85,12 +77,11 @@ class Rollout(BaseNode[Trajectory]):
         max_turns: int = 5,
         max_length: int = 1024,
         concurrency: int = 32,
-        env_factory: EnvFactory | None = None,
+        env_factory: EnvForSpec | None = None,
         env_workers: int = 0,
         in_order: bool = True,
         max_buffered: int | None = None,
         control: RolloutControl | None = None,
-        engine_loop: bool = True,
         **episode_kwargs: Any,
     ) -> None:
         super().__init__()
@@ -99,12 +90,8 @@ class Rollout(BaseNode[Trajectory]):
             ("max_length", max_length),
             ("concurrency", concurrency),
         ):
-            if value < 1:
-                raise ValueError(f"Rollout: {name} must be >= 1, got {value}")
-        if env_workers < 0:
-            raise ValueError(
-                f"Rollout: env_workers must be >= 0 (0: env calls inline), got {env_workers}"
-            )
+            check_int(f"Rollout: {name}", value, 1)
+        check_int("Rollout: env_workers (0: env calls inline)", env_workers, 0)
         self.source = source
         self.engine = engine
         self.chat = chat if isinstance(chat, ChatFormat) else ChatFormat(chat)
@@ -112,67 +99,26 @@ class Rollout(BaseNode[Trajectory]):
         self.max_turns = max_turns
         self.max_length = max_length
         self.concurrency = concurrency
-        self.env_factory = env_factory or registry_env_factory
         self.env_workers = env_workers
         self.in_order = in_order
         self.max_buffered = max_buffered or 4 * concurrency
         self.control = control or RolloutControl()
-        self.engine_loop = engine_loop
         self.episode_kwargs = episode_kwargs
-        self._runner: Runtime | None = None
-        self._owns_runner = False
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._envs = EnvPool(env_factory)
+        self._runtime: Runtime = engine.runtime
+        self._scope = self._runtime.scope("Rollout")
+        # One thread pulls the upstream node (never the loop); a pool runs blocking envs.
+        self._source_thread = concurrent.futures.ThreadPoolExecutor(1, "rollpipe-source")
+        self._env_threads = (
+            concurrent.futures.ThreadPoolExecutor(env_workers, "rollpipe-env")
+            if env_workers
+            else None
+        )
+        self._wakeup = Signal()  # the driver's: room to admit, the gate opened, a cancel...
+        self.control.add_listener(self._wakeup.notify)
         self._driver: asyncio.Task[None] | None = None
-        self._free_envs: dict[Hashable, list[tuple[int, Any]]] = {}
-        self._all_envs: list[Any] = []
         self._closed = False
         self._clear()
-
-    # -- running on the node's loop thread --------------------------------------------
-    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` on the loop thread and wait for its result (or exception)."""
-        if self._closed:
-            coro.close()
-            raise RuntimeError("Rollout is closed; build a new one")
-        if self._runner is None:
-            shared = self.engine.runtime if self.engine_loop else None
-            self._owns_runner = shared is None
-            self._runner = shared or Runtime("rollpipe-rollout")
-            if self.env_workers > 0:
-                self._executor = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=self.env_workers, thread_name_prefix="rollpipe-env"
-                )
-        if self._runner.in_loop():
-            coro.close()
-            raise RuntimeError(
-                "Rollout blocks for its results; call it from another thread than the "
-                "event loop its episodes run on"
-            )
-        if not self._runner_alive():
-            coro.close()
-            raise self._engine_gone()
-        future = asyncio.run_coroutine_threadsafe(coro, self._runner.loop)
-        while True:  # in slices: a shared engine loop may stop under the call
-            try:
-                return future.result(timeout=None if self._owns_runner else 0.5)
-            except concurrent.futures.TimeoutError:
-                if not self._runner_alive():
-                    future.cancel()
-                    raise self._engine_gone() from None
-            except concurrent.futures.CancelledError:
-                if self._owns_runner:
-                    raise
-                raise self._engine_gone() from None
-
-    def _runner_alive(self) -> bool:
-        runner = self._runner
-        return runner is not None and runner.thread.is_alive() and not runner.loop.is_closed()
-
-    def _engine_gone(self) -> EngineClosedError:
-        return EngineClosedError(
-            f"{type(self.engine).__name__} was closed, and its event loop ran this rollout's "
-            "episodes; build a new engine and pipeline"
-        )
 
     # -- bookkeeping (loop thread only) -----------------------------------------------
     def _clear(self) -> None:
@@ -187,49 +133,107 @@ class Rollout(BaseNode[Trajectory]):
         self._requests_at_stop = 0  # replacement requests already pending when it stopped
         self._source_state: dict[str, Any] | None = None
         self._failure: BaseException | None = None
-        self._done: deque[tuple[int, asyncio.Task[Trajectory]]] = deque()  # finished tasks
-        self._changed = asyncio.Event()  # an episode finished, or a tick passed
-        self._wake: asyncio.Event | None = None
+        self._ready: asyncio.Event | None = None  # a result (or the end, or a failure)
 
+    # -- torchdata protocol (caller's thread) -------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        self._call(self._restart(initial_state))
-
-    async def _restart(self, initial_state: dict[str, Any] | None) -> None:
-        await self._stop_all()
-        self._clear()
-        if initial_state is None:
-            self.source.reset(None)
-        else:
-            self.source.reset(initial_state["source"])
-            self._requeue.extend(initial_state["pending"])
-        self._source_state = self.source.state_dict()
-        self._wake = asyncio.Event()
-        self._driver = asyncio.get_running_loop().create_task(self._drive())
+        self._scope.call(self._stop_all())
+        source_state = None if initial_state is None else initial_state["source"]
+        self._on_source_thread(self.source.reset, source_state)
+        restored = [] if initial_state is None else initial_state["pending"]
+        requeue = [EpisodeSpec.from_state(s) for s in restored]
+        state = self._on_source_thread(self.source.state_dict)
+        self._scope.call(self._start(requeue, state))
 
     def get_state(self) -> dict[str, Any]:
-        return self._call(self._snapshot())
+        return self._scope.call(self._snapshot())
+
+    def next(self) -> Trajectory:
+        item = self._scope.call(self._next_ready())
+        if item is _END:
+            raise StopIteration
+        return item  # type: ignore[no-any-return]
+
+    def _on_source_thread(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn`` on the source thread (after any pull in flight) and wait for it."""
+        self._scope.check_open()
+        return self._source_thread.submit(fn, *args).result()
+
+    # -- on the loop -----------------------------------------------------------------------
+    async def _start(self, requeue: list[EpisodeSpec], source_state: dict[str, Any]) -> None:
+        self._clear()
+        self._requeue.extend(requeue)
+        self._source_state = source_state
+        self._ready = asyncio.Event()
+        self._driver = asyncio.get_running_loop().create_task(self._drive())
 
     async def _snapshot(self) -> dict[str, Any]:
-        return {
-            "source": self._source_state,
-            "pending": list(self._pending.values()) + list(self._requeue),
-        }
+        specs = [*self._pending.values(), *self._requeue]
+        return {"source": self._source_state, "pending": [s.to_state() for s in specs]}
 
-    # -- environments -----------------------------------------------------------------
-    def _acquire_env(self, spec: EpisodeSpec) -> tuple[int, Any]:
-        free = self._free_envs.setdefault((spec.env, spec.env_config), [])
-        if free:
-            return free.pop()
-        env = self.env_factory(spec)
-        self._all_envs.append(env)
-        return len(self._all_envs) - 1, env
+    async def _drive(self) -> None:
+        """Admit while there is room; sleep until something changes (no polling)."""
+        try:
+            while True:
+                self._cancel_unwanted()
+                while self._has_room():
+                    spec = await self._take_spec()
+                    if spec is None:
+                        break
+                    self._admit(spec)
+                if self._is_over():
+                    self._notify_ready()
+                await self._wakeup.wait()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as error:  # the source failed
+            self._fail(error)
 
-    def _release_env(self, spec: EpisodeSpec, env_id: int, env: Any) -> None:
-        self._free_envs[(spec.env, spec.env_config)].append((env_id, env))
+    def _has_room(self) -> bool:
+        return (
+            len(self._live) < self.concurrency
+            and len(self._results) < self.max_buffered
+            and self.control.is_open
+        )
+
+    async def _take_spec(self) -> EpisodeSpec | None:
+        """The next spec: a restored one, else one pulled from the source on its thread."""
+        if self._requeue:
+            return self._requeue.popleft()
+        if self._source_done and not self._new_requests():
+            return None
+        loop = asyncio.get_running_loop()
+        spec, state = await loop.run_in_executor(self._source_thread, self._pull)
+        if spec is None:
+            self._source_done = True
+            self._requests_at_stop = self.control.replacements_pending
+            return None
+        self._source_done = False
+        self._source_state = state
+        return spec  # type: ignore[no-any-return]
+
+    def _pull(self) -> tuple[EpisodeSpec | None, dict[str, Any] | None]:
+        """Source thread: the next spec and the source's state after it."""
+        try:
+            spec = next(self.source)
+        except StopIteration:
+            return None, None
+        return spec, self.source.state_dict()
+
+    def _admit(self, spec: EpisodeSpec) -> None:
+        index = self._next_index
+        self._next_index += 1
+        self._pending[index] = spec
+        if self.control.is_cancelled(spec.group_id):
+            self._finish(index, None)
+            return
+        task = asyncio.get_running_loop().create_task(self._run(spec))
+        task.add_done_callback(functools.partial(self._on_done, index))
+        self._live[index] = task
 
     async def _run(self, spec: EpisodeSpec) -> Trajectory:
-        env_id, env = self._acquire_env(spec)
+        env_id, env = self._envs.acquire(spec)
         try:
             return await run_episode(
                 spec,
@@ -241,72 +245,27 @@ class Rollout(BaseNode[Trajectory]):
                 max_length=self.max_length,
                 env_id=env_id,
                 admit=self.control.admit,
-                env_executor=self._executor,
+                env_executor=self._env_threads,
                 **self.episode_kwargs,
             )
         finally:
-            self._release_env(spec, env_id, env)
+            self._envs.release(spec, env_id, env)
 
-    # -- the driver: admission and completion, in the background ----------------------
-    async def _drive(self) -> None:
-        """Admit while there is room, collect finished episodes, wake ``next()``.
-
-        Event driven: an episode's completion wakes it at once; a tick wakes it to look at
-        what other threads change (the gate, cancellations, replacement requests).
-        """
-        assert self._wake is not None
-        loop = asyncio.get_running_loop()
-        try:
-            while True:
-                self._cancel_unwanted()
-                self._admit()
-                if not self._done:
-                    tick = loop.call_later(_TICK_S, self._changed.set)
-                    await self._changed.wait()
-                    tick.cancel()
-                self._changed.clear()
-                if self._collect() or self._is_over():
-                    self._wake.set()
-        except asyncio.CancelledError:
-            raise
-        except BaseException as error:  # an engine death or a re-raised env error
-            self._failure = error
-            self._wake.set()
-
-    def _take_spec(self) -> EpisodeSpec | None:
-        if self._requeue:
-            return self._requeue.popleft()
-        if self._source_done and not self._new_requests():
-            return None
-        try:
-            spec = next(self.source)
-        except StopIteration:
-            self._source_done = True
-            self._requests_at_stop = self.control.replacements_pending
-            return None
-        self._source_done = False
-        self._source_state = self.source.state_dict()
-        return spec
-
-    def _admit(self) -> None:
-        loop = asyncio.get_running_loop()
-        while (
-            len(self._live) < self.concurrency
-            and len(self._results) < self.max_buffered
-            and self.control.is_open
-        ):
-            spec = self._take_spec()
-            if spec is None:
-                return
-            index = self._next_index
-            self._next_index += 1
-            self._pending[index] = spec
-            if self.control.is_cancelled(spec.group_id):
-                self._finish(index, None)
-            else:
-                task = loop.create_task(self._run(spec))
-                task.add_done_callback(functools.partial(self._on_done, index))
-                self._live[index] = task
+    def _on_done(self, index: int, task: asyncio.Task[Trajectory]) -> None:
+        """An episode ended: record its result (or failure) and wake both sides."""
+        if self._live.get(index) is not task:  # stopped by a reset or close
+            if not task.cancelled():
+                task.exception()  # retrieved: nobody waits for it any more
+            return
+        del self._live[index]
+        if task.cancelled():
+            self._finish(index, None)
+        elif (error := task.exception()) is not None:  # an engine death, a re-raised env error
+            self._fail(error)
+            return
+        else:
+            self._finish(index, task.result())
+        self._wakeup.notify()
 
     def _cancel_unwanted(self) -> None:
         cancelled = self.control.cancelled_groups()
@@ -319,31 +278,15 @@ class Rollout(BaseNode[Trajectory]):
     def _finish(self, index: int, result: Trajectory | None) -> None:
         self._results[index] = result
         self._finish_order.append(index)
+        self._notify_ready()
 
-    def _on_done(self, index: int, task: asyncio.Task[Trajectory]) -> None:
-        """Done callback of an episode task: queue it for the driver and wake it."""
-        if not task.cancelled():
-            task.exception()  # retrieved: the driver re-raises it, unless the loop stops first
-        self._done.append((index, task))
-        self._changed.set()
+    def _fail(self, error: BaseException) -> None:
+        self._failure = error
+        self._notify_ready()
 
-    def _collect(self) -> bool:
-        """Move finished episodes to the results; True if any finished."""
-        collected = False
-        while self._done:
-            index, task = self._done.popleft()
-            if self._live.get(index) is not task:  # stopped by a reset or close
-                continue
-            del self._live[index]
-            collected = True
-            if task.cancelled():
-                self._finish(index, None)
-                continue
-            error = task.exception()
-            if error is not None:
-                raise error
-            self._finish(index, task.result())
-        return collected
+    def _notify_ready(self) -> None:
+        if self._ready is not None:
+            self._ready.set()
 
     def _new_requests(self) -> bool:
         """Replacement groups were requested since the source last ran dry."""
@@ -358,7 +301,6 @@ class Rollout(BaseNode[Trajectory]):
             and not self._new_requests()
         )
 
-    # -- yielding ---------------------------------------------------------------------
     def _pop_ready(self) -> Trajectory | None:
         while True:
             if self.in_order:
@@ -376,24 +318,18 @@ class Rollout(BaseNode[Trajectory]):
                 return result
 
     async def _next_ready(self) -> Any:
-        assert self._wake is not None
+        assert self._ready is not None, "Rollout.next() before reset()"
         while True:
             if self._failure is not None:
                 raise self._failure
             item = self._pop_ready()
             if item is not None:
-                self._changed.set()  # room in the buffer: the driver may admit more
+                self._wakeup.notify()  # room in the buffer: the driver may admit more
                 return item
             if self._is_over():
                 return _END
-            self._wake.clear()
-            await self._wake.wait()
-
-    def next(self) -> Trajectory:
-        item = self._call(self._next_ready())
-        if item is _END:
-            raise StopIteration
-        return item  # type: ignore[no-any-return]
+            self._ready.clear()
+            await self._ready.wait()
 
     @property
     def num_buffered(self) -> int:
@@ -410,20 +346,35 @@ class Rollout(BaseNode[Trajectory]):
         self._live.clear()
 
     def close(self) -> None:
-        """Cancel live episodes, stop the threads, close the envs. Idempotent."""
+        """Stop the episodes and threads and close the envs; idempotent, prompt.
+
+        A thread waiting in ``next()`` wakes at once with ``RuntimeClosedError``. The
+        episodes are cancelled on the loop (waiting at most ``CLOSE_WAIT_S``: an env call
+        blocking the loop is abandoned, not awaited); the threads end once idle.
+        """
         if self._closed:
             return
-        if self._runner is not None:
-            if self._runner_alive():  # (a closed engine's loop is not)
-                self._call(self._stop_all())
-            if self._owns_runner:
-                self._runner.close()
         self._closed = True
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-        for env in self._all_envs:
-            close = getattr(env, "close", None)
-            if close is not None:
-                close()
-        self._all_envs.clear()
-        self._free_envs.clear()
+        self._scope.close(
+            RuntimeClosedError("the Rollout was closed; build a new pipeline to go on")
+        )
+        self.control.remove_listener(self._wakeup.notify)
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        if self._runtime.alive:
+            stopping = self._runtime.submit(self._stop_all())
+            with contextlib.suppress(TimeoutError, RuntimeClosedError):
+                stopping.result(CLOSE_WAIT_S)  # a loop blocked in an env call runs it later
+        for pool in (self._source_thread, self._env_threads):
+            if pool is not None:
+                shutdown_within(pool, max(0.0, deadline - time.monotonic()))
+        try:
+            self._envs.close()
+        finally:
+            close_chain(self.source)
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self._scope.close()
+            self._source_thread.shutdown(wait=False, cancel_futures=True)
+            if self._env_threads is not None:
+                self._env_threads.shutdown(wait=False, cancel_futures=True)

@@ -1,61 +1,76 @@
-"""The side channel between stages: what cannot flow downstream with the records.
+"""The signals that flow back upstream, against the records.
 
 Records flow one way (specs → trajectories → groups → batches). Three signals flow
 back: the admission gate (closed while the trainer updates weights), group
 cancellations (redundant members no longer needed) and requests for replacement
 groups (a group was filtered, stale or errored). One ``RolloutControl`` is shared by
 the stages of a pipeline; each stage that needs it takes it as an argument, so a
-stage used alone needs none.
+stage used alone needs none. A stage that must react to a signal at once (the rollout's
+admission driver) registers a listener, called on every change from whatever thread
+made it: nothing polls.
 """
 
 from __future__ import annotations
 
-import asyncio
 import threading
+from collections.abc import Callable
+
+from rollpipe.runtime import Gate
 
 
 class RolloutControl:
     """Admission gate, cancelled groups and replacement requests, safe across threads."""
 
     def __init__(self) -> None:
-        self._open = threading.Event()
-        self._open.set()
+        self._gate = Gate(is_open=True)
         self._lock = threading.Lock()
         self._cancelled: set[int] = set()
         self._replacements = 0
+        self._listeners: list[Callable[[], None]] = []
+
+    # -- listeners --------------------------------------------------------------------
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` after every change (it must be cheap and thread-safe)."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[[], None]) -> None:
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+    def _changed(self) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener()
 
     # -- admission gate -------------------------------------------------------------
     @property
     def is_open(self) -> bool:
         """Whether new episodes and new engine requests may start."""
-        return self._open.is_set()
+        return self._gate.is_open
 
     def close(self) -> None:
         """Stop admitting episodes and engine requests (in-flight work is left alone)."""
-        self._open.clear()
+        self._gate.close()
+        self._changed()
 
     def open(self) -> None:
-        """Admit again."""
-        self._open.set()
+        """Admit again; wakes every request waiting in ``admit()`` on any loop."""
+        self._gate.open()
+        self._changed()
 
-    async def admit(self, poll_s: float = 0.002) -> None:
-        """Return once the gate is open; awaited before every engine request.
-
-        Polls rather than waiting on an asyncio.Event so that ``open()`` may come from
-        any thread without knowing which event loop the episodes run on.
-        """
-        while not self._open.is_set():
-            await asyncio.sleep(poll_s)
-
-    def wait_open(self, timeout: float | None = None) -> bool:
-        """Block the calling thread until the gate is open (or ``timeout``)."""
-        return self._open.wait(timeout)
+    async def admit(self) -> None:
+        """Return once the gate is open; awaited before every engine request."""
+        await self._gate.wait_async()
 
     # -- cancellations --------------------------------------------------------------
     def cancel_group(self, group_id: int) -> None:
         """Members of ``group_id`` still queued or running are no longer wanted."""
         with self._lock:
             self._cancelled.add(group_id)
+        self._changed()
 
     def is_cancelled(self, group_id: int) -> bool:
         with self._lock:
@@ -72,6 +87,7 @@ class RolloutControl:
             raise ValueError(f"request_groups: n must be >= 0, got {n}")
         with self._lock:
             self._replacements += n
+        self._changed()
 
     @property
     def replacements_pending(self) -> int:

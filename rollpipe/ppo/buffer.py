@@ -20,6 +20,8 @@ from typing import Final
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from rollpipe._utils.checks import check_int
+
 __all__ = [
     "NEXT_VALUE_KEY",
     "STATE_FIELDS",
@@ -55,12 +57,6 @@ class RolloutBufferError(RuntimeError):
     """Raised when the buffer's lifecycle is misused (add without start, get before add...)."""
 
 
-def _positive_int(name: str, value: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"RolloutBuffer {name} must be a positive int, got {value!r}")
-    return value
-
-
 class RolloutBuffer:
     """Preallocated ``[num_envs, rollout_len + 1]`` rollout storage on ``device``.
 
@@ -78,10 +74,10 @@ class RolloutBuffer:
         action_dim: int,
         device: torch.device | str = "cpu",
     ) -> None:
-        self.num_envs = _positive_int("num_envs", num_envs)
-        self.rollout_len = _positive_int("rollout_len", rollout_len)
-        self.obs_dim = _positive_int("obs_dim", obs_dim)
-        self.action_dim = _positive_int("action_dim", action_dim)
+        self.num_envs = check_int("RolloutBuffer.num_envs", num_envs, 1)
+        self.rollout_len = check_int("RolloutBuffer.rollout_len", rollout_len, 1)
+        self.obs_dim = check_int("RolloutBuffer.obs_dim", obs_dim, 1)
+        self.action_dim = check_int("RolloutBuffer.action_dim", action_dim, 1)
         self.device = torch.device(device)
         n, t1 = num_envs, rollout_len + 1
         f32, b = torch.float32, torch.bool
@@ -287,10 +283,7 @@ def iterate_minibatches(
         )
     flat = rollout.reshape(-1) if rollout.batch_dims != 1 else rollout
     total = flat.batch_size[0]
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ValueError(
-            f"iterate_minibatches: batch_size must be a positive int, got {batch_size!r}"
-        )
+    check_int("iterate_minibatches: batch_size", batch_size, 1)
     if batch_size > total:
         raise ValueError(
             f"iterate_minibatches: batch_size={batch_size} is larger than the data "

@@ -20,6 +20,7 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from tensordict import TensorDict
 from torchdata.nodes import BaseNode
 
+from rollpipe._utils.checks import check_int
 from rollpipe._utils.seeding import derive_seed
 from rollpipe.ppo.buffer import RolloutBuffer
 
@@ -105,10 +106,8 @@ class VectorCollector(BaseNode[TensorDict]):
                 f"VectorCollector: env observations flatten to {obs_dim} values but the "
                 f"buffer has obs_dim={buffer.obs_dim}"
             )
-        if num_rollouts is not None and (not isinstance(num_rollouts, int) or num_rollouts < 0):
-            raise ValueError(
-                f"VectorCollector: num_rollouts must be an int >= 0 or None, got {num_rollouts!r}"
-            )
+        if num_rollouts is not None:
+            check_int("VectorCollector: num_rollouts (or None)", num_rollouts, 0)
         self.env, self.policy, self.buffer = env, policy, buffer
         self.seed, self.num_rollouts = seed, num_rollouts
         self._action_to_env = action_to_env or _default_action_to_env(

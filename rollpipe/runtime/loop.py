@@ -94,10 +94,11 @@ class Runtime:
         """A new scope: the calls of one part, failed together when it closes."""
         scope = Scope(self, name)
         with self._lock:
-            if self._error is not None:
-                scope.close(self._error)
-            else:
+            error = self._error
+            if error is None:
                 self._scopes.append(scope)
+        if error is not None:
+            scope.close(error)
         return scope
 
     def _forget(self, scope: Scope) -> None:

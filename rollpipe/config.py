@@ -1,0 +1,112 @@
+"""PipelineConfig: everything the standard chain needs, validated at construction.
+
+Plain data (YAML or a dict, through ``from_dict``); a bad value fails here with a message
+naming the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import attrs
+
+from rollpipe._utils.checks import int_at_least, optional
+from rollpipe.agent.chat import DEFAULT_SYSTEM_PROMPT
+from rollpipe.engines.base import SamplingParams
+from rollpipe.envs import available as available_envs
+from rollpipe.nodes.episode_source import EnvChoice, as_env_choices
+from rollpipe.nodes.groups import FILTERS
+
+__all__ = ["PipelineConfig"]
+
+
+def _sampling(value: SamplingParams | Mapping[str, Any]) -> SamplingParams:
+    if isinstance(value, SamplingParams):
+        return value
+    valid = sorted(f.name for f in attrs.fields(SamplingParams))
+    unknown = sorted(set(value) - set(valid))
+    if unknown:
+        raise ValueError(f"PipelineConfig.sampling: unknown keys {unknown}; valid keys: {valid}")
+    return SamplingParams(**value)
+
+
+def _envs(value: Any) -> tuple[EnvChoice, ...]:
+    if isinstance(value, (str, EnvChoice)):
+        value = [value]
+    items = [EnvChoice(**v) if isinstance(v, Mapping) else v for v in value]
+    choices = as_env_choices(items)
+    known = available_envs()
+    for c in choices:
+        if c.name not in known:
+            raise ValueError(f"PipelineConfig.envs: unknown env {c.name!r}; registered: {known}")
+    return choices
+
+
+@attrs.frozen(kw_only=True)
+class PipelineConfig:
+    """Everything the standard chain needs. Bad values fail here, naming the field.
+
+    ``envs`` takes an env name, an :class:`EnvChoice`, or a list mixing several by
+    weight (YAML: ``[{name: sokoban, weight: 1, config: {dim_room: [6, 6]}}]``).
+    ``batch_size`` counts trajectories and must be a multiple of ``group_size``.
+    ``num_groups=None`` runs forever. ``in_order=None`` (auto) yields trajectories in
+    admission order — reproducible — unless ``redundancy`` is set, where completion
+    order lets the first finishers of a group win.
+    """
+
+    envs: tuple[EnvChoice, ...] = attrs.field(default=("frozenlake",), converter=_envs)
+    group_size: int = attrs.field(default=4, validator=int_at_least(1))
+    batch_size: int = attrs.field(default=16, validator=int_at_least(1))
+    num_groups: int | None = attrs.field(default=None, validator=optional(int_at_least(1)))
+    redundancy: int = attrs.field(default=0, validator=int_at_least(0))
+    seed: int = attrs.field(default=0, validator=int_at_least(0))
+    max_turns: int = attrs.field(default=5, validator=int_at_least(1))
+    max_length: int = attrs.field(default=1024, validator=int_at_least(1))
+    concurrency: int = attrs.field(default=32, validator=int_at_least(1))
+    env_workers: int = attrs.field(default=0, validator=int_at_least(0))
+    sampling: SamplingParams = attrs.field(
+        factory=lambda: SamplingParams(max_tokens=48), converter=_sampling
+    )
+    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT
+    history_window: int | None = None
+    level: Literal["trajectory", "step"] = attrs.field(
+        default="trajectory", validator=attrs.validators.in_(("trajectory", "step"))
+    )
+    pad_to_multiple_of: int | None = attrs.field(default=None, validator=optional(int_at_least(1)))
+    filter: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.in_(tuple(FILTERS)))
+    )
+    max_staleness: int | None = None
+    max_drops_in_a_row: int = attrs.field(default=1000, validator=int_at_least(1))
+    in_order: bool | None = None
+    raise_env_errors: bool = False
+    on_length: Literal["skip", "step", "end"] = "skip"
+
+    def __attrs_post_init__(self) -> None:
+        if self.batch_size % self.group_size:
+            raise ValueError(
+                f"PipelineConfig.batch_size={self.batch_size} is not a multiple of "
+                f"group_size={self.group_size}; batches hold whole groups"
+            )
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(
+                f"PipelineConfig.max_staleness must be >= 0 or None, got {self.max_staleness}"
+            )
+        if self.level == "step" and self.history_window is None:
+            raise ValueError(
+                "PipelineConfig.level='step' needs history_window (e.g. 2): step rows "
+                "show a bounded window of recent turns"
+            )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PipelineConfig:
+        """From plain data (YAML); an unknown key is an error listing the valid ones."""
+        valid = sorted(f.name for f in attrs.fields(cls))
+        unknown = sorted(set(data) - set(valid))
+        if unknown:
+            raise ValueError(f"PipelineConfig: unknown keys {unknown}; valid keys: {valid}")
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> PipelineConfig:
+        return attrs.evolve(self, **changes)

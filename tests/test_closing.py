@@ -1,0 +1,247 @@
+"""Closing from any state: prompt, every waiter woken with a clear error, no thread left.
+
+States tried (as a trainer with a watchdog thread would): mid-batch with another thread
+blocked in ``get_batch()``, suspended with a waiter, the engine closed under the
+pipeline, an env step in flight (on the env pool and inline on the loop). Also: a
+blocking user node before the Rollout does not stall generation.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, ClassVar
+
+import pytest
+from torchdata.nodes import BaseNode, Loader
+
+from rollpipe.engines.base import EngineClosedError, EngineError
+from rollpipe.envs import FrozenLake, register
+from rollpipe.nodes.episode_source import EpisodeSource
+from rollpipe.nodes.rollout import Rollout
+from rollpipe.pipeline import PipelineConfig, RolloutPipeline
+from rollpipe.runtime import RuntimeClosedError
+
+PROMPT_S = 1.0  # "returns within a second"
+
+
+class GatedLake(FrozenLake):
+    """FrozenLake whose ``step`` blocks while ``GatedLake.hold`` is set (a hung env)."""
+
+    hold: ClassVar[threading.Event] = threading.Event()
+    release: ClassVar[threading.Event] = threading.Event()
+    entered: ClassVar[threading.Event] = threading.Event()
+
+    def step(self, action_text: str):
+        GatedLake.entered.set()
+        if GatedLake.hold.is_set():
+            GatedLake.release.wait(30)
+        return super().step(action_text)
+
+
+register("gated_lake", GatedLake, overwrite=True)
+
+
+@pytest.fixture
+def gated():
+    GatedLake.hold.clear()
+    GatedLake.release.clear()
+    GatedLake.entered.clear()
+    yield GatedLake
+    GatedLake.release.set()
+
+
+def config(**changes: Any) -> PipelineConfig:
+    base = dict(
+        envs="gated_lake",
+        group_size=4,
+        batch_size=64,
+        num_groups=None,
+        max_turns=3,
+        max_length=512,
+        concurrency=16,
+        seed=5,
+        sampling={"max_tokens": 16},
+    )
+    return PipelineConfig(**(base | changes))
+
+
+class Waiter:
+    """Calls ``get_batch()`` on a thread of its own and keeps what it raised."""
+
+    def __init__(self, pipe: RolloutPipeline) -> None:
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(pipe,), name="test-waiter")
+        self.thread.start()
+
+    def _run(self, pipe: RolloutPipeline) -> None:
+        try:
+            pipe.get_batch()
+        except BaseException as e:
+            self.error = e
+
+    def woken(self, timeout: float = PROMPT_S) -> BaseException | None:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the waiting get_batch() was never woken"
+        return self.error
+
+
+def threads_now() -> set[threading.Thread]:
+    return set(threading.enumerate())
+
+
+def assert_back_to(baseline: set[threading.Thread], timeout: float = 5.0) -> None:
+    """Every thread started since ``baseline`` ends (joined, not polled)."""
+    deadline = time.monotonic() + timeout
+    for thread in threads_now() - baseline:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    left = [t.name for t in threads_now() - baseline]
+    assert left == [], f"threads left behind: {left}"
+
+
+def timed_close(pipe: RolloutPipeline) -> float:
+    start = time.monotonic()
+    pipe.close()
+    return time.monotonic() - start
+
+
+def test_close_mid_batch_wakes_a_blocked_get_batch(vllm_engine, tokenizer, gated):
+    baseline = threads_now()
+    pipe = RolloutPipeline(config(batch_size=512), vllm_engine, tokenizer)
+    waiter = Waiter(pipe)
+    assert gated.entered.wait(30)  # episodes are stepping: the batch is filling
+    assert timed_close(pipe) < PROMPT_S
+    error = waiter.woken()
+    assert isinstance(error, RuntimeClosedError) and "closed" in str(error)
+    with pytest.raises(RuntimeClosedError, match="closed"):
+        pipe.get_batch()
+    assert_back_to(baseline)
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort", "wait"])
+def test_close_while_suspended_wakes_the_waiter(vllm_engine, tokenizer, mode):
+    baseline = threads_now()
+    pipe = RolloutPipeline(config(envs="frozenlake", batch_size=8), vllm_engine, tokenizer)
+    assert len(pipe.get_batch()) == 8
+    pipe.suspend(mode)
+    waiter = Waiter(pipe)
+    waiter.thread.join(0.2)
+    assert waiter.thread.is_alive()  # held while suspended
+    assert timed_close(pipe) < PROMPT_S
+    assert isinstance(waiter.woken(), RuntimeClosedError)
+    assert not pipe.nodes.controller.is_suspended
+    assert not vllm_engine.is_paused  # close resumed the shared engine
+    assert_back_to(baseline)
+
+
+def test_engine_closed_while_suspended(tiny_model_path, tokenizer):
+    from rollpipe.engines.hf import HFEngine
+
+    engine = HFEngine(tiny_model_path)
+    pipe = RolloutPipeline(config(envs="frozenlake", batch_size=8), engine, tokenizer)
+    assert len(pipe.get_batch()) == 8
+    pipe.suspend("keep")
+    waiter = Waiter(pipe)
+    waiter.thread.join(0.2)
+    assert waiter.thread.is_alive()
+    engine.close()
+    assert isinstance(waiter.woken(), EngineClosedError)
+    with pytest.raises(EngineClosedError):
+        pipe.resume()  # the engine cannot resume...
+    assert not pipe.nodes.controller.is_suspended  # ...but the pipeline is not left suspended
+    assert timed_close(pipe) < PROMPT_S  # and closing raises nothing
+
+
+def test_suspend_on_a_closed_engine_raises_and_leaves_it_running(tiny_model_path, tokenizer):
+    from rollpipe.engines.hf import HFEngine
+
+    engine = HFEngine(tiny_model_path)
+    pipe = RolloutPipeline(config(envs="frozenlake", batch_size=8), engine, tokenizer)
+    engine.close()
+    with pytest.raises(EngineClosedError):
+        pipe.suspend()
+    assert not pipe.nodes.controller.is_suspended
+    assert pipe.nodes.control.is_open
+    assert timed_close(pipe) < PROMPT_S
+
+
+def test_engine_closed_under_a_blocked_get_batch(tiny_model_path, tokenizer, gated):
+    from rollpipe.engines.hf import HFEngine
+
+    baseline = threads_now()
+    engine = HFEngine(tiny_model_path)
+    pipe = RolloutPipeline(config(batch_size=256), engine, tokenizer)
+    waiter = Waiter(pipe)
+    assert gated.entered.wait(30)  # the batch is filling
+    engine.close()
+    error = waiter.woken(5.0)  # the engine's own close waits for its running step
+    assert isinstance(error, EngineError) and "closed" in str(error)
+    assert timed_close(pipe) < PROMPT_S
+    assert_back_to(baseline)
+
+
+@pytest.mark.parametrize("env_workers", [2, 0])
+def test_close_with_an_env_step_in_flight(tiny_model_path, tokenizer, gated, env_workers):
+    """A hung ``env.step`` (on the env pool, or inline on the loop) is abandoned by close,
+    not awaited; its thread ends once the step returns."""
+    from rollpipe.engines.hf import HFEngine
+
+    baseline = threads_now()
+    engine = HFEngine(tiny_model_path)  # its own: an inline hung step blocks its loop
+    pipe = RolloutPipeline(config(env_workers=env_workers), engine, tokenizer)
+    gated.hold.set()
+    waiter = Waiter(pipe)
+    assert gated.entered.wait(30)
+    time.sleep(0.05)  # the step is now blocked in the env
+    assert timed_close(pipe) < PROMPT_S
+    assert isinstance(waiter.woken(), RuntimeClosedError)
+    gated.release.set()
+    engine.close()
+    assert_back_to(baseline)
+
+
+class BlockingNode(BaseNode[Any]):
+    """A user's node that passes ``first`` items through, then blocks until released."""
+
+    def __init__(self, source: BaseNode[Any], first: int, release: threading.Event) -> None:
+        super().__init__()
+        self.source, self.first, self.release = source, first, release
+        self.seen = 0
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self.source.reset(None)
+        self.seen = 0
+
+    def get_state(self) -> dict[str, Any]:
+        return {"seen": self.seen}
+
+    def next(self) -> Any:
+        if self.seen == self.first:
+            self.release.wait(60)
+        self.seen += 1
+        return next(self.source)
+
+
+def test_a_blocking_node_before_the_rollout_does_not_stall_generation(vllm_engine, tokenizer):
+    release = threading.Event()
+    source = BlockingNode(EpisodeSource(4, 2, seed=9), first=4, release=release)
+    rollout = Rollout(source, vllm_engine, tokenizer, max_turns=2, concurrency=8)
+    got: list[Any] = []
+    loader = iter(Loader(rollout))
+    consumer = threading.Thread(target=lambda: got.extend(next(loader) for _ in range(4)))
+    try:
+        consumer.start()
+        consumer.join(60)
+        # the node is blocked in its 5th next() all this time, yet the 4 admitted episodes
+        # were generated to the end
+        assert not consumer.is_alive() and not release.is_set()
+        assert source.seen == 4
+        assert sum(t.num_generated_tokens for t in got) > 0
+        assert [t.episode_id for t in got] == [0, 1, 2, 3]
+        release.set()
+        rest = list(loader)
+        assert [t.episode_id for t in rest] == [4, 5, 6, 7]
+    finally:
+        release.set()
+        rollout.close()

@@ -1,0 +1,215 @@
+"""The package's layout rules, checked on the source: no import cycles, no module over 400
+lines, no polling loops."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "rollpipe"
+MAX_LINES = 400
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _runtime_nodes(tree: ast.Module) -> list[ast.AST]:
+    """Every node of ``tree`` outside ``if TYPE_CHECKING:`` blocks."""
+    out: list[ast.AST] = []
+    todo: list[ast.AST] = [tree]
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+    return out
+
+
+def _lazy_exports(tree: ast.Module) -> dict[str, str]:
+    """``rollpipe/__init__.py``'s ``_EXPORTS`` table: public name -> defining module."""
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign):
+            targets = [node.target]
+        else:
+            continue
+        if node.value is not None and any(
+            isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in targets
+        ):
+            return {str(k): str(v) for k, v in ast.literal_eval(node.value).items()}
+    return {}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the rollpipe modules it imports, from every import statement anywhere in
+    it: module level, inside functions (lazy imports can still be circular) and inside
+    ``if TYPE_CHECKING:`` (a cycle there is still a tangle, and breaks the day someone
+    needs the import at runtime).
+
+    * ``from rollpipe.a import b`` points at ``rollpipe.a.b`` when ``b`` is a submodule,
+      else at ``rollpipe.a``.
+    * The package ``rollpipe/__init__.py`` imports its submodules only under
+      ``TYPE_CHECKING`` (for type checkers; at runtime it loads them lazily through the
+      ``_EXPORTS`` table, whose entries are strings), so its ``TYPE_CHECKING`` imports
+      are skipped and it is a leaf: edges into it would otherwise make every module that
+      imports ``rollpipe.x`` part of one big cycle through the re-export table.
+    * ``from rollpipe import Name`` inside the package points at the module that
+      ``_EXPORTS`` says defines ``Name``: that is what runs.
+    * Importing ``rollpipe.a.b`` also runs ``rollpipe/a/__init__.py``; that implicit
+      parent import is not an edge (a package ``__init__`` that imports its own
+      submodules would otherwise always be a cycle).
+    """
+    modules = _modules()
+    root = PACKAGE.name
+    exports = _lazy_exports(ast.parse(modules[root].read_text()))
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        nodes = _runtime_nodes(tree) if name == root else list(ast.walk(tree))
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in nodes:
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from .x import y
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, *([base] if base else [])])
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    if sub in modules:
+                        targets.append(sub)
+                    elif base == root and alias.name in exports:
+                        targets.append(exports[alias.name])
+                    else:
+                        targets.append(base)
+            for target in targets:
+                if target == root or target.startswith(root + "."):
+                    while target not in modules and "." in target:
+                        target = target.rpartition(".")[0]  # rollpipe.a.B -> rollpipe.a
+                    if target != name:
+                        graph[name].add(target)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as ``[a, b, ..., a]``, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start)):
+            return cycle
+    return None
+
+
+def test_the_import_graph_sees_real_imports() -> None:
+    graph = import_graph()
+    assert "rollpipe.data.proto" in graph["rollpipe.data.rows"]
+    assert graph["rollpipe"] == set()  # the package's own imports are TYPE_CHECKING only
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycles() -> None:
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_no_module_over_400_lines() -> None:
+    long = {
+        name: n
+        for name, path in _modules().items()
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"modules over {MAX_LINES} lines (split them by concept): {long}"
+
+
+def _is_zero(node: ast.expr) -> bool:
+    return isinstance(node, ast.Constant) and node.value == 0
+
+
+def _polls(tree: ast.AST) -> list[tuple[int, str]]:
+    """``sleep(<literal or name>)`` and ``.result(timeout=...)`` calls inside ``while`` loops.
+
+    A loop that sleeps a fixed interval (or waits on a future in timeout slices) and
+    checks again is polling: it adds latency and burns CPU; wait on the event instead.
+    ``sleep(0)`` is allowed: it yields to the event loop without waiting. A sleep whose
+    duration is computed (an attribute, an expression) is not flagged: that is a wait
+    for a known time (e.g. a batching window), not a check-again loop.
+    """
+    found: list[tuple[int, str]] = []
+    for loop in ast.walk(tree):
+        if not isinstance(loop, ast.While):
+            continue
+        for node in (n for stmt in loop.body for n in ast.walk(stmt)):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            fname = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            args = [*node.args, *(k.value for k in node.keywords)]
+            fixed = bool(args) and isinstance(args[0], (ast.Constant, ast.Name))
+            if fname == "sleep" and fixed and not _is_zero(args[0]):
+                found.append((node.lineno, ast.unparse(node)))
+            if fname == "result" and isinstance(func, ast.Attribute):
+                timeout = [k.value for k in node.keywords if k.arg == "timeout"] + node.args[:1]
+                if timeout and not (
+                    isinstance(timeout[0], ast.Constant) and timeout[0].value is None
+                ):
+                    found.append((node.lineno, ast.unparse(node)))
+    return sorted(set(found))
+
+
+def test_the_poll_check_flags_polls_only() -> None:
+    src = """
+while True:
+    time.sleep(0.1)
+while not done:
+    await asyncio.sleep(POLL_S)
+while x:
+    await asyncio.sleep(0)
+    await asyncio.sleep(self.window_s)
+    fut.result(timeout=None)
+while y:
+    fut.result(timeout=0.5)
+time.sleep(1)
+"""
+    assert [line for line, _ in _polls(ast.parse(src))] == [3, 5, 11]
+
+
+def test_no_polling_loops() -> None:
+    polls = {
+        name: _polls(ast.parse(path.read_text()))
+        for name, path in _modules().items()
+        if "sleep" in path.read_text() or ".result(" in path.read_text()
+    }
+    polls = {name: found for name, found in polls.items() if found}
+    assert not polls, f"polling inside while loops (wait on an event instead): {polls}"

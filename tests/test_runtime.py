@@ -1,0 +1,187 @@
+"""The one runtime: Runtime/Scope bridge calls, closes wake every waiter, Gate/Signal wake
+without polling, from threads and loops alike."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollpipe.runtime import Gate, Runtime, RuntimeClosedError, Signal
+
+
+@pytest.fixture
+def runtime():
+    rt = Runtime("test-runtime")
+    yield rt
+    rt.close()
+
+
+def test_call_submit_and_run_from_another_loop(runtime):
+    async def add(a, b):
+        await asyncio.sleep(0)
+        assert runtime.in_loop()
+        return a + b
+
+    assert runtime.call(add(2, 3)) == 5
+    assert runtime.submit(add(1, 1)).result(5) == 2
+    scope = runtime.scope("caller")
+    assert asyncio.run(scope.run(add(4, 4))) == 8  # awaited on a foreign loop
+
+
+def test_errors_cross_the_bridge_with_their_type(runtime):
+    async def boom():
+        raise KeyError("the key")
+
+    with pytest.raises(KeyError, match="the key"):
+        runtime.call(boom())
+
+
+def test_call_on_the_loop_itself_raises_instead_of_hanging(runtime):
+    async def inner():
+        return 1
+
+    async def outer():
+        coro = inner()
+        with pytest.raises(RuntimeError, match="own thread"):
+            runtime.call(coro)
+        return "ok"
+
+    assert runtime.call(outer()) == "ok"
+
+
+def test_cancelling_the_future_cancels_the_task(runtime):
+    started, cancelled = threading.Event(), threading.Event()
+
+    async def forever():
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    future = runtime.submit(forever())
+    assert started.wait(5)
+    future.cancel()
+    assert cancelled.wait(5)
+
+
+def test_closing_a_scope_wakes_its_waiters_even_while_the_loop_is_blocked(runtime):
+    scope = runtime.scope("part")
+    release = threading.Event()
+
+    async def block_the_loop():
+        release.wait(10)  # a blocking call on the loop, as an inline env step may be
+
+    async def never():
+        await asyncio.Event().wait()
+
+    waiting = scope.submit(never())
+    runtime.submit(block_the_loop())
+    errors: list[BaseException] = []
+    waiter = threading.Thread(target=lambda: errors.append(_raised(waiting.result)))
+    waiter.start()
+    start = time.monotonic()
+    scope.close(RuntimeClosedError("the part was closed"))
+    waiter.join(2)
+    assert not waiter.is_alive() and time.monotonic() - start < 1.0
+    assert isinstance(errors[0], RuntimeClosedError) and "part was closed" in str(errors[0])
+    with pytest.raises(RuntimeClosedError, match="part was closed"):
+        scope.submit(never())
+    other = runtime.scope("other")  # other scopes are untouched
+    release.set()
+    assert other.call(_value(7)) == 7
+
+
+def test_closing_the_runtime_fails_every_scope_and_stops_the_thread():
+    rt = Runtime("closing")
+    scopes = [rt.scope(f"s{i}") for i in range(3)]
+    futures = [s.submit(asyncio.Event().wait()) for s in scopes]
+    rt.close(RuntimeClosedError("engine gone"))
+    for f in futures:
+        with pytest.raises(RuntimeClosedError, match="engine gone"):
+            f.result(2)
+    assert not rt.thread.is_alive() and not rt.alive
+    with pytest.raises(RuntimeClosedError, match="engine gone"):
+        rt.scope("late").call(_value(1))
+    rt.close()  # idempotent
+
+
+def test_init_error_is_raised_in_the_caller():
+    def bad_init():
+        raise ValueError("no threads for you")
+
+    with pytest.raises(ValueError, match="no threads"):
+        Runtime("bad", init=bad_init)
+
+
+def test_gate_wakes_threads_and_coroutines_on_any_loop(runtime):
+    gate = Gate(is_open=False)
+    assert not gate.wait(timeout=0.01)
+    woke: list[str] = []
+    thread = threading.Thread(target=lambda: (gate.wait(), woke.append("thread")))
+    thread.start()
+    on_runtime = runtime.submit(gate.wait_async())
+
+    async def foreign():
+        await gate.wait_async()
+        woke.append("foreign loop")
+
+    other = threading.Thread(target=lambda: asyncio.run(foreign()))
+    other.start()
+    time.sleep(0.05)  # let all three start waiting (a test, not a poll)
+    assert woke == []
+    gate.open()
+    thread.join(2)
+    other.join(2)
+    on_runtime.result(2)
+    assert sorted(woke) == ["foreign loop", "thread"]
+
+
+def test_gate_failure_releases_every_waiter_with_the_error(runtime):
+    gate = Gate(is_open=False)
+    waiting = runtime.submit(gate.wait_async())
+    gate.fail(RuntimeClosedError("shut"))
+    with pytest.raises(RuntimeClosedError, match="shut"):
+        waiting.result(2)
+    with pytest.raises(RuntimeClosedError, match="shut"):
+        gate.wait()
+    gate.open()  # a failed gate stays failed
+    with pytest.raises(RuntimeClosedError):
+        gate.wait(0)
+
+
+def test_signal_remembers_a_notify_made_before_the_wait(runtime):
+    signal = Signal()
+    signal.notify()
+    runtime.call(asyncio.wait_for(signal.wait(), 1))  # returns at once
+    waiting = runtime.submit(signal.wait())
+    threading.Thread(target=signal.notify).start()
+    waiting.result(2)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.sampled_from(["open", "close"]), min_size=1, max_size=12))
+def test_gate_state_follows_the_last_change(changes):
+    gate = Gate(is_open=True)
+    for change in changes:
+        getattr(gate, change)()
+    assert gate.is_open == (changes[-1] == "open")
+    assert gate.wait(timeout=0) == gate.is_open
+
+
+async def _value(v):
+    return v
+
+
+def _raised(fn):
+    try:
+        fn()
+    except BaseException as e:
+        return e
+    return None
