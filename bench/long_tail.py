@@ -105,7 +105,7 @@ class LengthBySeed:
         self.inner = engine
         self.scale = scale
 
-    def __getattr__(self, name: str) -> Any:  # version, is_paused, pause, loop_thread...
+    def __getattr__(self, name: str) -> Any:  # version, is_paused, pause, runtime...
         return getattr(self.inner, name)
 
     def _params(self, params: SamplingParams) -> SamplingParams:

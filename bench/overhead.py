@@ -1,20 +1,22 @@
 """Benchmark 6: CPU time spent in rollpipe itself per trajectory.
 
-Where rollpipe's own work runs: two threads. The Rollout node's event-loop thread runs
+Where rollpipe's own work runs: three threads. The episodes' event-loop thread runs
 the episode coroutines (prompt building with ``ChatFormat``, which calls the tokenizer;
 turn records; admission) and, inline, the env calls, whose time inside
-``rollpipe/envs/`` is excluded. The consumer thread (here the main thread) runs
-grouping, batching and collation. The engine generates on its own thread, not counted,
-nor are the engine's client-side calls (``rollpipe/engines/``: ``engine.generate``
-validating and submitting a request).
+``rollpipe/envs/`` is excluded. The Rollout's source thread pulls episode specs from
+the upstream node. The consumer thread (here the main thread) runs grouping, batching
+and collation. The engine generates on its own thread, not counted, nor are the
+engine's client-side calls (``rollpipe/engines/``: ``engine.generate`` validating and
+submitting a request).
 
-By default the episodes run on the engine's own event-loop thread (``engine_loop=True``).
-Here they run on a thread of their own (``engine_loop=False``) so that a thread's CPU
-time separates rollpipe's work from vLLM's: the code run per turn is the same, plus a
-thread hop per request in ``rollpipe/engines/`` (excluded below) that the default avoids.
+By default the episodes run on the engine's own runtime (``engine.runtime``). Here the
+engine is seen through ``EpisodesApart``, which names a runtime of its own, so that a
+thread's CPU time separates rollpipe's work from vLLM's: the code run per turn is the
+same, plus a thread hop per request in ``rollpipe/engines/`` (excluded below) that the
+default avoids.
 
 Method, per repeat, on a FrozenLake pipeline (env stepped every turn), for each of the
-two threads:
+three threads:
 
 1. Unprofiled run: the thread's CPU time around ``get_batch`` = ``cpu`` (consumer:
    ``time.thread_time``; rollout thread: utime+stime from ``/proc/self/task/<tid>/stat``).
@@ -27,7 +29,7 @@ two threads:
    ``c = (profiled_total - cpu) / calls`` (same workload, same seed); each excluded
    subtree is charged ``c`` times its estimated call count (its calls plus its
    callees', split by caller).
-4. ``overhead_cpu_ms_per_trajectory`` = the sum over both threads of
+4. ``overhead_cpu_ms_per_trajectory`` = the sum over the threads of
    ``cpu - corrected excluded``, divided by the trajectories.
    It includes the libraries rollpipe calls on its own behalf (tokenizer and Jinja for
    prompts, torch for rows, asyncio for scheduling, torchdata's node plumbing).
@@ -43,6 +45,7 @@ from __future__ import annotations
 import cProfile
 import os
 import pstats
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -52,6 +55,7 @@ import rollpipe
 from bench.common import BenchContext, Figures, median, reset_prefix_cache, rounded
 from rollpipe.engines.base import SamplingParams
 from rollpipe.pipeline import PipelineConfig, RolloutPipeline
+from rollpipe.runtime import Runtime
 
 ROOT = str(Path(rollpipe.__file__).resolve().parent)
 EXCLUDED = (f"{ROOT}/engines/", f"{ROOT}/envs/")
@@ -130,8 +134,19 @@ def _config(ctx: BenchContext, n: int, seed: int) -> PipelineConfig:
         concurrency=min(n, 64),
         sampling=SamplingParams(max_tokens=24),
         on_length="step",
-        engine_loop=False,  # episodes on a thread of their own: see the module docstring
     )
+
+
+class EpisodesApart:
+    """The bench engine, seen with a runtime of its own: the episodes run there (and reach
+    the engine through its bridge), so their thread's CPU time is rollpipe's alone."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self.runtime = Runtime("bench-episodes")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
 
 
 def _thread_cpu(native_id: int) -> float:
@@ -151,26 +166,31 @@ async def _disable(profile: cProfile.Profile) -> None:
 def _drain(
     ctx: BenchContext, config: PipelineConfig, profiles: dict[str, cProfile.Profile] | None
 ) -> dict[str, float]:
-    """Run the pipeline to the end; CPU seconds of the consumer and rollout threads."""
+    """Run the pipeline to the end; CPU seconds of the consumer, episode and source threads."""
     reset_prefix_cache(ctx.engine)
-    with RolloutPipeline(config, ctx.engine, ctx.tokenizer) as pipe:
-        rollout = pipe.nodes.rollout
-        rollout.state_dict()  # starts the rollout's loop thread (bench reaches internals)
-        assert rollout._runner is not None
-        tid = rollout._runner.thread.native_id
-        assert tid is not None
-        start, rollout_start = time.thread_time(), _thread_cpu(tid)
-        if profiles is not None:
-            profiles["consumer"].enable()
-            rollout._call(_enable(profiles["rollout"]))
-        batch = pipe.get_batch(-1)
-        if profiles is not None:
-            rollout._call(_disable(profiles["rollout"]))
-            profiles["consumer"].disable()
-        cpu = {
-            "consumer": time.thread_time() - start,
-            "rollout": _thread_cpu(tid) - rollout_start,
-        }
+    engine = EpisodesApart(ctx.engine)
+    try:
+        with RolloutPipeline(config, engine, ctx.tokenizer) as pipe:  # type: ignore[arg-type]
+            source_thread = pipe.nodes.rollout._source_thread  # bench reaches internals
+            tids = {
+                "rollout": engine.runtime.thread.native_id,
+                "source": source_thread.submit(threading.get_native_id).result(),
+            }
+            start = time.thread_time()
+            starts = {name: _thread_cpu(tid) for name, tid in tids.items()}
+            if profiles is not None:
+                profiles["consumer"].enable()
+                engine.runtime.call(_enable(profiles["rollout"]))
+                source_thread.submit(profiles["source"].enable).result()
+            batch = pipe.get_batch(-1)
+            if profiles is not None:
+                source_thread.submit(profiles["source"].disable).result()
+                engine.runtime.call(_disable(profiles["rollout"]))
+                profiles["consumer"].disable()
+            cpu = {"consumer": time.thread_time() - start}
+            cpu.update({name: _thread_cpu(tid) - starts[name] for name, tid in tids.items()})
+    finally:
+        engine.runtime.close()
     if batch is None or len(batch) != config.batch_size:
         raise RuntimeError(f"overhead: pipeline returned {batch!r}")
     return cpu
@@ -194,9 +214,11 @@ def run(ctx: BenchContext) -> Figures:
             subtree = _subtree_calls(stats)
             excluded = _inclusive(stats, lambda f: _in(f, EXCLUDED), per_call, subtree)
             own += max(0.0, cpu[name] - excluded)
-            prompts += _inclusive(stats, lambda f: f[0] == f"{ROOT}/chat.py", per_call, subtree)
+            prompts += _inclusive(
+                stats, lambda f: f[0] == f"{ROOT}/agent/chat.py", per_call, subtree
+            )
             collate += _inclusive(stats, _is_collation, per_call, subtree)
-        last = pstats.Stats(profiles["rollout"]).add(profiles["consumer"])
+        last = pstats.Stats(profiles["rollout"]).add(profiles["consumer"], profiles["source"])
         both = sum(cpu.values())
         shares.append(own / both if both else 0.0)
         prompt_share.append(prompts / both if both else 0.0)
@@ -205,7 +227,8 @@ def run(ctx: BenchContext) -> Figures:
         consumer.append(1e3 * cpu["consumer"] / n)
         ctx.log(
             f"  overhead rep {rep}: CPU {1e3 * cpu['consumer'] / n:.2f} ms/traj consumer + "
-            f"{1e3 * cpu['rollout'] / n:.2f} rollout thread, rollpipe share {shares[-1]:.2f} "
+            f"{1e3 * cpu['rollout'] / n:.2f} episodes + {1e3 * cpu['source'] / n:.2f} source, "
+            f"rollpipe share {shares[-1]:.2f} "
             f"(prompts {prompt_share[-1]:.2f}, collate {collate_share[-1]:.2f}) -> "
             f"{per_traj[-1]:.2f} ms/traj"
         )

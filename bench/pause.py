@@ -162,10 +162,10 @@ def run(ctx: BenchContext) -> Figures:
                 f"{first_ms[-1]:.1f} ms ({first_nosync_ms[-1]:.1f} ms without a sync)"
             )
     finally:
-        if pipe.nodes.controller.is_suspended:
+        if pipe.nodes.pause_controller.is_suspended:
             pipe.resume()
         for group in range(IN_FLIGHT // 4):
-            pipe.nodes.control.cancel_group(group)
+            pipe.nodes.signals.cancel_group(group)
         consumer.join(timeout=120)
         pipe.close()
     return {

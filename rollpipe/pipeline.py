@@ -40,8 +40,8 @@ NodeHook = Callable[[BaseNode[Any]], BaseNode[Any]]
 class PipelineNodes:
     """The wired stages, for users who want to hold or extend them."""
 
-    control: RolloutControl
-    controller: PauseController
+    signals: RolloutControl  # admission gate, cancellations, replacements (flow upstream)
+    pause_controller: PauseController  # suspend / resume / update_weights
     source: EpisodeSource
     rollout: Rollout
     groups: GroupAssembler
@@ -70,8 +70,8 @@ def build_nodes(
     def hooked(stage: Stage, node: BaseNode[Any]) -> BaseNode[Any]:
         return hooks[stage](node) if stage in hooks else node
 
-    control = RolloutControl()
-    controller = PauseController(engine, control)
+    signals = RolloutControl()
+    pause_controller = PauseController(engine, signals)
     chat = ChatFormat(
         tokenizer, system_prompt=config.system_prompt, history_window=config.history_window
     )
@@ -81,7 +81,7 @@ def build_nodes(
         config.seed,
         config.envs,
         redundancy=config.redundancy,
-        control=control,
+        control=signals,
     )
     rollout = Rollout(
         hooked("source", source),
@@ -93,7 +93,7 @@ def build_nodes(
         concurrency=config.concurrency,
         env_workers=config.env_workers,
         in_order=config.redundancy == 0 if config.in_order is None else config.in_order,
-        control=control,
+        control=signals,
         raise_env_errors=config.raise_env_errors,
         on_length=config.on_length,
     )
@@ -104,7 +104,7 @@ def build_nodes(
         filter=config.filter,
         max_staleness=config.max_staleness,
         current_version=lambda: engine.version,
-        control=control,
+        control=signals,
         max_drops_in_a_row=config.max_drops_in_a_row,
     )
     batch = Batch(hooked("groups", groups), config.batch_size)
@@ -117,8 +117,8 @@ def build_nodes(
         pad_to_multiple_of=config.pad_to_multiple_of,
         level=config.level,
     )
-    root: Pausable[DataProto] = Pausable(hooked("collate", collate), controller)
-    return PipelineNodes(control, controller, source, rollout, groups, batch, collate, root)
+    root: Pausable[DataProto] = Pausable(hooked("collate", collate), pause_controller)
+    return PipelineNodes(signals, pause_controller, source, rollout, groups, batch, collate, root)
 
 
 class RolloutPipeline:
@@ -191,17 +191,17 @@ class RolloutPipeline:
         return self.engine.version
 
     def suspend(self, mode: PauseMode = "keep") -> None:
-        self.nodes.controller.suspend(mode)
+        self.nodes.pause_controller.suspend(mode)
 
     def resume(self) -> None:
-        self.nodes.controller.resume()
+        self.nodes.pause_controller.resume()
 
     def suspended(self, mode: PauseMode = "keep") -> Any:
         """Context manager: suspend on entry, resume on exit."""
-        return self.nodes.controller.suspended(mode)
+        return self.nodes.pause_controller.suspended(mode)
 
     def update_weights(self, weights: Any, version: int | None = None) -> int:
-        return self.nodes.controller.update_weights(weights, version=version)
+        return self.nodes.pause_controller.update_weights(weights, version=version)
 
     # -- checkpointing ----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -209,10 +209,10 @@ class RolloutPipeline:
         ``torch.save`` it and ``torch.load(..., weights_only=True)`` it back. A fresh
         pipeline loading it yields exactly what this one would have."""
         self._iterator()
-        return {"loader": self._loader.state_dict(), "control": self.nodes.control.get_state()}
+        return {"loader": self._loader.state_dict(), "signals": self.nodes.signals.get_state()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.nodes.control.load_state(state["control"])
+        self.nodes.signals.load_state(state["signals"])
         self._loader.load_state_dict(state["loader"])
         self._iter = iter(self._loader)
 
@@ -230,9 +230,8 @@ class RolloutPipeline:
         self._closed = True
         try:
             with contextlib.suppress(EngineError):
-                self.nodes.controller.resume()
+                self.nodes.pause_controller.resume()
             close_chain(self.nodes.root)
-            self.nodes.rollout.close()  # in case a hook hid it from the chain
         finally:
             if self.owns_engine:
                 self.engine.close()

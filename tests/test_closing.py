@@ -129,7 +129,7 @@ def test_close_while_suspended_wakes_the_waiter(vllm_engine, tokenizer, mode):
     assert waiter.thread.is_alive()  # held while suspended
     assert timed_close(pipe) < PROMPT_S
     assert isinstance(waiter.woken(), RuntimeClosedError)
-    assert not pipe.nodes.controller.is_suspended
+    assert not pipe.nodes.pause_controller.is_suspended
     assert not vllm_engine.is_paused  # close resumed the shared engine
     assert_back_to(baseline)
 
@@ -148,7 +148,7 @@ def test_engine_closed_while_suspended(tiny_model_path, tokenizer):
     assert isinstance(waiter.woken(), EngineClosedError)
     with pytest.raises(EngineClosedError):
         pipe.resume()  # the engine cannot resume...
-    assert not pipe.nodes.controller.is_suspended  # ...but the pipeline is not left suspended
+    assert not pipe.nodes.pause_controller.is_suspended  # ...but the pipeline is not left suspended
     assert timed_close(pipe) < PROMPT_S  # and closing raises nothing
 
 
@@ -160,8 +160,8 @@ def test_suspend_on_a_closed_engine_raises_and_leaves_it_running(tiny_model_path
     engine.close()
     with pytest.raises(EngineClosedError):
         pipe.suspend()
-    assert not pipe.nodes.controller.is_suspended
-    assert pipe.nodes.control.is_open
+    assert not pipe.nodes.pause_controller.is_suspended
+    assert pipe.nodes.signals.is_open
     assert timed_close(pipe) < PROMPT_S
 
 
@@ -245,3 +245,21 @@ def test_a_blocking_node_before_the_rollout_does_not_stall_generation(vllm_engin
     finally:
         release.set()
         rollout.close()
+
+
+def test_closing_the_root_closes_the_chain_through_user_nodes(vllm_engine, tokenizer):
+    """``pipe.close()`` reaches the Rollout through nodes without a ``close()`` (a user's
+    ``Mapper`` hooked in after it, Groups, Batch, Collate)."""
+    from torchdata.nodes import Mapper
+
+    baseline = threads_now()
+    hooks = {"rollout": lambda node: Mapper(node, lambda traj: traj)}
+    pipe = RolloutPipeline(
+        config(envs="frozenlake", batch_size=8), vllm_engine, tokenizer, hooks=hooks
+    )
+    assert len(pipe.get_batch()) == 8
+    assert timed_close(pipe) < PROMPT_S
+    assert pipe.nodes.rollout._closed
+    with pytest.raises(RuntimeClosedError):
+        next(pipe.nodes.rollout)
+    assert_back_to(baseline)

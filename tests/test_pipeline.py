@@ -159,7 +159,7 @@ def test_suspend_from_another_thread_while_a_batch_fills(vllm_engine, tokenizer,
         worker.start()
         for _ in range(3):
             pipe.suspend(mode)
-            assert pipe.nodes.controller.is_suspended
+            assert pipe.nodes.pause_controller.is_suspended
             pipe.resume()
         worker.join(timeout=300)
         assert not worker.is_alive(), "get_batch hung across suspend/resume"
