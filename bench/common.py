@@ -20,7 +20,8 @@ from typing import Any
 import attrs
 import psutil
 
-from rollpipe.engines.base import Engine, Generation, SamplingParams
+from rollpipe.engines.protocol import Engine
+from rollpipe.engines.records import Generation, SamplingParams
 
 Figures = dict[str, float | int | str | bool]
 

@@ -27,7 +27,7 @@ from bench.common import (
     rounded,
     timed,
 )
-from rollpipe.engines.base import SamplingParams
+from rollpipe.engines.records import SamplingParams
 from rollpipe.pipeline import PipelineConfig, RolloutPipeline
 
 LEVELS = (1, 8, 64, 256)

@@ -33,7 +33,7 @@ from bench.common import (
 )
 from rollpipe._utils.seeding import derive_seed
 from rollpipe.agent.records import Trajectory
-from rollpipe.engines.base import SamplingParams
+from rollpipe.engines.records import SamplingParams
 from rollpipe.pipeline import PipelineConfig, RolloutPipeline
 
 Request = tuple[list[int], SamplingParams]

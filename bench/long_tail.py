@@ -46,7 +46,8 @@ from rollpipe._utils.seeding import derive_seed
 from rollpipe.agent.chat import ChatFormat
 from rollpipe.agent.records import EpisodeSpec, Trajectory, Turn
 from rollpipe.data.rows import trajectory_rows
-from rollpipe.engines.base import Engine, Generation, SamplingParams
+from rollpipe.engines.protocol import Engine
+from rollpipe.engines.records import Generation, SamplingParams
 from rollpipe.envs import register
 from rollpipe.nodes.episode_source import EpisodeSource
 from rollpipe.pipeline import PipelineConfig, RolloutPipeline

@@ -53,7 +53,7 @@ from typing import Any
 
 import rollpipe
 from bench.common import BenchContext, Figures, median, reset_prefix_cache, rounded
-from rollpipe.engines.base import SamplingParams
+from rollpipe.engines.records import SamplingParams
 from rollpipe.pipeline import PipelineConfig, RolloutPipeline
 from rollpipe.runtime import Runtime
 

@@ -31,7 +31,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.common import BenchContext, Figures, median, rounded
-from rollpipe.engines.base import Engine, Generation, SamplingParams
+from rollpipe.engines.protocol import Engine
+from rollpipe.engines.records import Generation, SamplingParams
 from rollpipe.pipeline import PipelineConfig, RolloutPipeline
 
 IN_FLIGHT = 64

@@ -23,10 +23,10 @@ _EXPORTS: dict[str, str] = {
     "run_episode": "rollpipe.agent.episode",
     "trajectory_rows": "rollpipe.data.rows",
     "step_rows": "rollpipe.data.rows",
-    "SamplingParams": "rollpipe.engines.base",
-    "Generation": "rollpipe.engines.base",
-    "EngineError": "rollpipe.engines.base",
-    "EngineClosedError": "rollpipe.engines.base",
+    "SamplingParams": "rollpipe.engines.records",
+    "Generation": "rollpipe.engines.records",
+    "EngineError": "rollpipe.engines.records",
+    "EngineClosedError": "rollpipe.engines.records",
     "VLLMEngine": "rollpipe.engines.vllm",
     "HFEngine": "rollpipe.engines.hf",
     "build_tiny_model": "rollpipe.engines.tiny_model",
@@ -58,13 +58,8 @@ if TYPE_CHECKING:
     from rollpipe.data.divisor import pad_to_divisor, unpad
     from rollpipe.data.proto import DataProto
     from rollpipe.data.rows import step_rows, trajectory_rows
-    from rollpipe.engines.base import (
-        EngineClosedError,
-        EngineError,
-        Generation,
-        SamplingParams,
-    )
     from rollpipe.engines.hf import HFEngine
+    from rollpipe.engines.records import EngineClosedError, EngineError, Generation, SamplingParams
     from rollpipe.engines.tiny_model import build_tiny_model, default_model_path
     from rollpipe.engines.vllm import VLLMEngine
     from rollpipe.nodes.batch import Batch, TrajectoryBatch

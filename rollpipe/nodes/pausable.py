@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from torchdata.nodes import BaseNode
 
-from rollpipe.engines.base import PAUSE_MODES, Engine, PauseMode
+from rollpipe.engines.protocol import PAUSE_MODES, Engine, PauseMode
 from rollpipe.nodes.closing import close_chain
 from rollpipe.nodes.signals import RolloutControl
 from rollpipe.runtime import Gate, RuntimeClosedError

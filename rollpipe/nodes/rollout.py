@@ -37,7 +37,8 @@ from rollpipe.agent.chat import ChatFormat
 from rollpipe.agent.env_pool import EnvForSpec, EnvPool
 from rollpipe.agent.episode import run_episode
 from rollpipe.agent.records import EpisodeSpec, Trajectory
-from rollpipe.engines.base import Engine, SamplingParams
+from rollpipe.engines.protocol import Engine
+from rollpipe.engines.records import SamplingParams
 from rollpipe.nodes.closing import close_chain
 from rollpipe.nodes.signals import RolloutControl
 from rollpipe.runtime import Runtime, RuntimeClosedError, Signal

@@ -1,0 +1,78 @@
+"""Where data enters an engine: prompt token ids and weights, converted and checked once.
+
+``check_prompt`` turns whatever holds the ids (list, tuple, tensor, ndarray) into one
+``list[int]`` and range-checks it in bulk; nothing after it converts ids again.
+``named_tensors`` turns the accepted weight containers into one list of pairs.
+"""
+
+from __future__ import annotations
+
+import reprlib
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from rollpipe.engines.protocol import WeightsLike
+
+__all__ = ["PromptIds", "check_prompt", "named_tensors"]
+
+PromptIds: TypeAlias = Sequence[int] | torch.Tensor | npt.NDArray[np.integer[Any]]
+"""What a prompt's token ids may come as: a sequence of ints or a 1-D integer array."""
+
+
+def check_prompt(prompt_ids: PromptIds, vocab_size: int | None = None) -> list[int]:
+    """Prompt token ids as a new ``list[int]``, after checking them all at once.
+
+    Accepts a sequence of ints, a 1-D integer tensor or ndarray. Raises ``ValueError``
+    naming ``prompt_ids`` for anything else, for an empty prompt, and for ids outside
+    ``[0, vocab_size)``.
+    """
+    source = prompt_ids.detach().cpu() if isinstance(prompt_ids, torch.Tensor) else prompt_ids
+    try:
+        ids = np.asarray(source)
+    except (TypeError, ValueError, OverflowError) as e:  # ragged or otherwise not array-like
+        raise ValueError(
+            f"prompt_ids must be a 1-D sequence of ints, got {reprlib.repr(prompt_ids)}"
+        ) from e
+    if ids.ndim == 1 and ids.size == 0:
+        raise ValueError("prompt_ids is empty; a prompt needs at least one token")
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise ValueError(
+            f"prompt_ids must be a 1-D sequence of ints, got {reprlib.repr(prompt_ids)}"
+        )
+    if ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size):
+        outside = ids < 0 if vocab_size is None else (ids < 0) | (ids >= vocab_size)
+        bad = ids[outside][:5].tolist()
+        raise ValueError(f"prompt_ids holds ids outside the vocabulary [0, {vocab_size}): {bad}")
+    out: list[int] = ids.tolist()
+    return out
+
+
+def named_tensors(weights: WeightsLike) -> list[tuple[str, torch.Tensor]]:
+    """Normalise a state dict, an iterable of (name, tensor) or a module to a list."""
+    if isinstance(weights, torch.nn.Module):
+        items: Iterable[Any] = weights.state_dict().items()
+    elif isinstance(weights, Mapping):
+        items = weights.items()
+    else:
+        items = weights
+    out: list[tuple[str, torch.Tensor]] = []
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise TypeError(
+                f"update_weights: expected (name, tensor) pairs, got {type(item).__name__}; "
+                "pass a state dict, an iterable of (name, tensor) or a torch module"
+            )
+        name, tensor = item
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise TypeError(
+                f"update_weights: weight {name!r} must be (str, Tensor), "
+                f"got ({type(name).__name__}, {type(tensor).__name__})"
+            )
+        out.append((name, tensor.detach()))
+    if not out:
+        raise ValueError("update_weights: got no weights; pass a non-empty state dict")
+    return out

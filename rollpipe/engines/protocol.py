@@ -1,0 +1,63 @@
+"""The generation protocol every engine satisfies: token ids in, token ids out.
+
+``Engine`` is what the rollout stage talks to; ``PauseMode`` names the three ways to
+pause one. The records it exchanges (``SamplingParams``, ``Generation``) and its errors
+live in ``records.py``; ``BaseEngine`` (``base.py``) implements it on a backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+from rollpipe.engines.records import Generation, SamplingParams
+from rollpipe.runtime import Runtime
+
+__all__ = ["PAUSE_MODES", "Engine", "PauseMode", "WeightsLike"]
+
+PauseMode = Literal["keep", "abort", "wait"]
+"""``keep``: in-flight requests freeze and continue after resume; ``abort``: they end
+with finish_reason "abort"; ``wait``: they finish. New requests wait for resume."""
+
+PAUSE_MODES: tuple[PauseMode, ...] = ("keep", "abort", "wait")
+
+WeightsLike = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | torch.nn.Module
+"""What ``update_weights`` accepts: a state dict, (name, tensor) pairs, or a module."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the rollout stage needs from a generation backend."""
+
+    @property
+    def version(self) -> int:
+        """The policy version of the weights the engine generates with now."""
+        ...
+
+    @property
+    def is_paused(self) -> bool: ...
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation: ...
+
+    def generate_batch(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[Generation]: ...
+
+    def pause(self, mode: PauseMode = "keep") -> None: ...
+
+    def resume(self) -> None: ...
+
+    def update_weights(self, weights: WeightsLike, version: int | None = None) -> int: ...
+
+    def close(self) -> None: ...
+
+    @property
+    def runtime(self) -> Runtime:
+        """The event loop the engine runs on; episodes run there too (no thread hop)."""
+        ...
+
+    def __enter__(self) -> Engine: ...
+
+    def __exit__(self, *exc: object) -> None: ...

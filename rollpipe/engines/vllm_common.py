@@ -1,0 +1,94 @@
+"""What both vLLM backends share: request conversion, output reading, weight loading.
+
+``VLLMBackendBase`` turns a checked prompt and rollpipe ``SamplingParams`` into a vLLM
+request (id, budget check, vLLM sampling params); the functions read vLLM's outputs
+(sampled logprobs, finish reasons) and load weights inside a vLLM worker.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+from typing import Any
+
+import torch
+
+from rollpipe.engines.backend import EngineLink
+from rollpipe.engines.records import EngineError, SamplingParams
+
+__all__ = ["VLLMBackendBase", "finish_reason", "reload_weights_on_worker", "sampled_logprobs"]
+
+_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def reload_weights_on_worker(
+    worker: Any,
+    weights: list[tuple[str, torch.Tensor]] | None = None,
+    blob: bytes | None = None,
+) -> bool:
+    """Runs inside a vLLM worker: load HF-named weights into the live model in place.
+
+    In-process the tensors arrive as they are; across processes they come as one
+    ``torch.save`` blob (vLLM's RPC encoder cannot type tensors nested in kwargs).
+    """
+    if blob is not None:
+        weights = torch.load(io.BytesIO(blob), weights_only=True)
+    if weights is None:
+        raise ValueError("reload_weights_on_worker needs weights or blob")
+    worker.model_runner.reload_weights(weights_iterator=iter(weights))
+    return True
+
+
+def sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
+    """The logprob of each sampled token, from vLLM's per-position logprob dicts."""
+    if logprobs is None:
+        raise EngineError("vLLM returned no logprobs although the request asked for them")
+    return [float(pos[tok].logprob) for tok, pos in zip(token_ids, logprobs, strict=True)]
+
+
+def finish_reason(reason: Any) -> str:
+    """vLLM's finish reason as one of ``FINISH_REASONS``."""
+    mapped = _REASONS.get(str(reason))
+    if mapped is None:
+        raise EngineError(f"vLLM finished the request with reason {reason!r}")
+    return mapped
+
+
+class VLLMBackendBase:
+    """A vLLM engine (``LLMEngine`` or ``AsyncLLM``) and the link to the engine it serves."""
+
+    def __init__(self, llm: Any, link: EngineLink) -> None:
+        self.llm = llm
+        self.link = link
+        self.vocab_size: int | None = int(llm.model_config.get_vocab_size())
+        self.max_model_len = int(llm.model_config.max_model_len)
+        self._ids = itertools.count()
+
+    def request(self, prompt: list[int], params: SamplingParams) -> tuple[str, Any]:
+        """A new request id and vLLM's sampling params; rejects a prompt too long."""
+        if len(prompt) >= self.max_model_len:
+            raise EngineError(
+                f"prompt has {len(prompt)} tokens but max_model_len is {self.max_model_len}; "
+                "shorten the prompt or build the engine with a larger max_model_len"
+            )
+        return f"rollpipe-{next(self._ids)}", self.sampling_params(params)
+
+    @staticmethod
+    def sampling_params(params: SamplingParams) -> Any:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return VSamplingParams(
+            n=1,
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            stop_token_ids=list(params.stop_token_ids),
+            seed=params.seed,
+            logprobs=0 if params.logprobs else None,
+            ignore_eos=params.ignore_eos,
+            detokenize=False,
+            skip_special_tokens=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
