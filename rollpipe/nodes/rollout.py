@@ -178,11 +178,10 @@ class Rollout(BaseNode[Trajectory]):
         try:
             while True:
                 self._cancel_unwanted()
-                while self._has_room():
-                    spec = await self._take_spec()
-                    if spec is None:
-                        break
-                    self._admit(spec)
+                self._admit_waiting()
+                if self._has_room() and self._may_pull():
+                    await self._pull(self.concurrency - len(self._live))
+                    continue
                 if self._is_over():
                     self._notify_ready()
                 await self._wakeup.wait()
@@ -198,23 +197,39 @@ class Rollout(BaseNode[Trajectory]):
             and self.control.is_open
         )
 
-    async def _take_spec(self) -> EpisodeSpec | None:
-        """The next spec: a restored one, else one pulled from the source on its thread."""
-        if self._requeue:
-            return self._requeue.popleft()
-        if self._source_done and not self._new_requests():
-            return None
-        loop = asyncio.get_running_loop()
-        spec, state = await loop.run_in_executor(self._source_thread, self._pull)
-        if spec is None:
-            self._source_done = True
-            self._requests_at_stop = self.control.replacements_pending
-            return None
-        self._source_done = False
-        self._source_state = state
-        return spec  # type: ignore[no-any-return]
+    def _may_pull(self) -> bool:
+        return not self._requeue and (not self._source_done or self._new_requests())
 
-    def _pull(self) -> tuple[EpisodeSpec | None, dict[str, Any] | None]:
+    def _admit_waiting(self) -> None:
+        """Admit restored and pulled specs while there is room."""
+        while self._requeue and self._has_room():
+            self._admit(self._requeue.popleft())
+
+    async def _pull(self, n: int) -> None:
+        """Pull up to ``n`` specs from the source on its thread, admitting each as it comes.
+
+        All ``n`` pulls are queued on the source thread at once, so a wave of specs
+        arrives between two engine steps instead of one spec per step; a pull that blocks
+        holds back only the specs after it.
+        """
+        loop = asyncio.get_running_loop()
+        pulls = [loop.run_in_executor(self._source_thread, self._pull_one) for _ in range(n)]
+        try:
+            for pull in pulls:
+                spec, state = await pull
+                if spec is None:
+                    self._source_done = True
+                    self._requests_at_stop = self.control.replacements_pending
+                    continue
+                self._source_done = False
+                self._source_state = state
+                self._requeue.append(spec)
+                self._admit_waiting()
+        finally:
+            for pull in pulls:
+                pull.cancel()  # those not started yet (a reset or close stopped the driver)
+
+    def _pull_one(self) -> tuple[EpisodeSpec | None, dict[str, Any] | None]:
         """Source thread: the next spec and the source's state after it."""
         try:
             spec = next(self.source)
