@@ -213,3 +213,16 @@ def test_no_polling_loops() -> None:
     }
     polls = {name: found for name, found in polls.items() if found}
     assert not polls, f"polling inside while loops (wait on an event instead): {polls}"
+
+
+def test_every_public_name_resolves():
+    """``from rollpipe import X`` keeps working for every exported name, wherever its
+    module moved."""
+    import importlib
+
+    import rollpipe
+
+    for name in rollpipe.__all__:
+        value = getattr(rollpipe, name)
+        module = importlib.import_module(rollpipe._EXPORTS[name])
+        assert getattr(module, name) is value, name
