@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import attrs
 
-from rollpipe._utils.checks import int_at_least, optional
+from rollpipe._utils.checks import check_int, int_at_least, optional
 from rollpipe.agent.chat import DEFAULT_SYSTEM_PROMPT
 from rollpipe.engines.records import SamplingParams
 from rollpipe.envs import available as available_envs
@@ -43,6 +43,11 @@ def _envs(value: Any) -> tuple[EnvChoice, ...]:
     return choices
 
 
+def _count_or_none(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None:
+        check_int(f"PipelineConfig.{attr.name} (or None)", value, 0)
+
+
 @attrs.frozen(kw_only=True)
 class PipelineConfig:
     """Everything the standard chain needs. Bad values fail here, naming the field.
@@ -53,6 +58,13 @@ class PipelineConfig:
     ``num_groups=None`` runs forever. ``in_order=None`` (auto) yields trajectories in
     admission order — reproducible — unless ``redundancy`` is set, where completion
     order lets the first finishers of a group win.
+
+    ``async_generation_ratio`` (ROLL's name and default, 0) bounds how far generation
+    runs ahead of the trainer: each ``get_batch`` lets the source start that batch's
+    groups, plus ``ratio`` batches' worth ahead once at the start, and a group whose
+    oldest token is more than ``ratio`` policy versions old is dropped (and replaced).
+    0 is on-policy: a batch holds only tokens of the current weights. ``None`` lets
+    collection run ahead freely (up to the rollout's buffer), with no staleness bound.
     """
 
     envs: tuple[EnvChoice, ...] = attrs.field(default=("frozenlake",), converter=_envs)
@@ -77,7 +89,7 @@ class PipelineConfig:
     filter: str | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.in_(tuple(FILTERS)))
     )
-    max_staleness: int | None = None
+    async_generation_ratio: int | None = attrs.field(default=0, validator=_count_or_none)
     max_drops_in_a_row: int = attrs.field(default=1000, validator=int_at_least(1))
     in_order: bool | None = None
     raise_env_errors: bool = False
@@ -88,10 +100,6 @@ class PipelineConfig:
             raise ValueError(
                 f"PipelineConfig.batch_size={self.batch_size} is not a multiple of "
                 f"group_size={self.group_size}; batches hold whole groups"
-            )
-        if self.max_staleness is not None and self.max_staleness < 0:
-            raise ValueError(
-                f"PipelineConfig.max_staleness must be >= 0 or None, got {self.max_staleness}"
             )
         if self.level == "step" and self.history_window is None:
             raise ValueError(

@@ -83,6 +83,7 @@ def build_nodes(
         config.envs,
         redundancy=config.redundancy,
         control=signals,
+        metered=config.async_generation_ratio is not None,
     )
     rollout = Rollout(
         hooked("source", source),
@@ -103,7 +104,7 @@ def build_nodes(
         config.group_size,
         redundancy=config.redundancy,
         filter=config.filter,
-        max_staleness=config.max_staleness,
+        max_staleness=config.async_generation_ratio,
         current_version=lambda: engine.version,
         control=signals,
         max_drops_in_a_row=config.max_drops_in_a_row,
@@ -149,6 +150,8 @@ class RolloutPipeline:
         self.nodes = build_nodes(config, engine, tokenizer, hooks=hooks)
         self._loader = Loader(self.nodes.root, restart_on_stop_iteration=False)
         self._iter: Iterator[DataProto] | None = None
+        self._batches_granted = 0  # get_batch calls that granted groups (metered source)
+        self._exhausted = False  # the stream ended: the next get_batch(-1) starts afresh
         self._closed = False
 
     # -- data -------------------------------------------------------------------------
@@ -163,13 +166,54 @@ class RolloutPipeline:
         return self
 
     def __next__(self) -> DataProto:
-        return next(self._iterator())
+        stream = self._iterator()  # (re)started before the grant, which it must not lose
+        self._grant(self.config.batch_size)
+        return next(stream)
 
-    def get_batch(self, batch_size: int | None = None) -> DataProto | None:
+    def _grant(self, size: int) -> None:
+        """Let the source start the groups of one batch of ``size`` trajectories (and, at
+        the first batch, ``async_generation_ratio`` batches ahead)."""
+        ratio = self.config.async_generation_ratio
+        if ratio is None:
+            return
+        per_batch = self.config.batch_size // self.config.group_size
+        whole_source = self.config.num_groups or 0
+        groups = whole_source if size == -1 else size // self.config.group_size
+        if self._batches_granted == 0:
+            groups += ratio * per_batch
+        self._batches_granted += 1
+        self.nodes.signals.grant_groups(groups)
+
+    def _fresh_pass(self) -> None:
+        """Start the stream again from its first episode (a new validation pass)."""
+        self.nodes.signals.load_state(None)
+        self._batches_granted = 0
+        self._iter = None
+        self._exhausted = False
+
+    def get_batch(
+        self, data: DataProto | int | None = None, batch_size: int | None = None
+    ) -> DataProto | None:
         """A batch of ``batch_size`` trajectories (default: the config's), blocking until
         filled; ``-1`` drains a finite source into one batch; None when nothing is left.
+
+        Called as ROLL's ``get_batch(data, batch_size)`` (``data`` a DataProto whose
+        ``meta_info["global_step"]`` is copied into the batch's meta_info) or as
+        ``get_batch(batch_size)``. Like ROLL's, it resumes a pipeline that this thread
+        suspended (another thread's suspend holds it until that thread resumes), and an
+        engine paused by another pipeline sharing it. Each ``get_batch(-1)`` after a
+        finished one starts a fresh, identical pass over the same episodes (validation).
         """
+        if isinstance(data, int) and not isinstance(data, bool):
+            data, batch_size = None, data
+        if data is not None and not isinstance(data, DataProto):
+            raise TypeError(
+                f"get_batch: data must be a DataProto (with meta_info['global_step']) or "
+                f"None, got {type(data).__name__}; pass the batch size as batch_size="
+            )
         size = self.config.batch_size if batch_size is None else batch_size
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise ValueError(f"get_batch: batch_size must be an int, got {size!r}")
         if size != -1 and (size < 1 or size % self.config.group_size):
             raise ValueError(
                 f"get_batch: batch_size={size} must be -1 or a positive multiple of "
@@ -177,13 +221,28 @@ class RolloutPipeline:
             )
         if size == -1 and self.config.num_groups is None:
             raise ValueError("get_batch(-1) drains a finite source; set num_groups in the config")
+        if size == -1 and self._exhausted:
+            self._fresh_pass()
+        controller = self.nodes.pause_controller
+        if controller.suspended_by_this_thread:  # ROLL's loop: suspend, update, get_batch
+            controller.resume()
+        elif not controller.is_suspended and self.engine.is_paused:
+            self.engine.resume()  # paused by another pipeline sharing the engine
+        stream = self._iterator()  # (re)started before the grant, which it must not lose
+        self._grant(size)
         self.nodes.batch.num_trajectories = size
         try:
-            return next(self._iterator())
+            batch = next(stream)
         except StopIteration:
+            self._exhausted = True
             return None
         finally:
             self.nodes.batch.num_trajectories = self.config.batch_size
+        if size == -1:
+            self._exhausted = True
+        if data is not None and "global_step" in data.meta_info:
+            batch.meta_info["global_step"] = data.meta_info["global_step"]
+        return batch
 
     # -- weights ----------------------------------------------------------------------
     @property
@@ -191,13 +250,16 @@ class RolloutPipeline:
         """The engine's current policy version."""
         return self.engine.version
 
-    def suspend(self, mode: PauseMode = "keep") -> None:
+    def suspend(self, mode: PauseMode = "abort") -> None:
+        """Close admission and pause the engine. ``abort`` (default, as ROLL's suspend:
+        abort all, then wait) ends in-flight requests, whose turns are regenerated after
+        ``resume()``; ``keep`` freezes them; ``wait`` lets them finish."""
         self.nodes.pause_controller.suspend(mode)
 
     def resume(self) -> None:
         self.nodes.pause_controller.resume()
 
-    def suspended(self, mode: PauseMode = "keep") -> Any:
+    def suspended(self, mode: PauseMode = "abort") -> Any:
         """Context manager: suspend on entry, resume on exit."""
         return self.nodes.pause_controller.suspended(mode)
 
@@ -210,10 +272,15 @@ class RolloutPipeline:
         ``torch.save`` it and ``torch.load(..., weights_only=True)`` it back. A fresh
         pipeline loading it yields exactly what this one would have."""
         self._iterator()
-        return {"loader": self._loader.state_dict(), "signals": self.nodes.signals.get_state()}
+        return {
+            "loader": self._loader.state_dict(),
+            "signals": self.nodes.signals.get_state(),
+            "batches_granted": self._batches_granted,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.nodes.signals.load_state(state["signals"])
+        self._batches_granted = int(state["batches_granted"])
         self._loader.load_state_dict(state["loader"])
         self._iter = iter(self._loader)
 
@@ -236,6 +303,10 @@ class RolloutPipeline:
         finally:
             if self.owns_engine:
                 self.engine.close()
+
+    def shutdown(self) -> None:
+        """ROLL's name for ``close()``."""
+        self.close()
 
     def __enter__(self) -> RolloutPipeline:
         return self

@@ -131,13 +131,14 @@ def test_suspend_update_resume_loses_nothing(vllm_engine, tokenizer, tiny_model_
     from transformers import AutoModelForCausalLM
 
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_path, torch_dtype=torch.float32)
-    cfg = config(concurrency=4)
+    # collection runs ahead (no ratio bound): the next group is in flight at suspend
+    cfg = config(concurrency=4, async_generation_ratio=None)
     with RolloutPipeline(cfg, vllm_engine, tokenizer) as pipe:
-        first = pipe.get_batch()  # episodes of the next group are already in flight
+        first = pipe.get_batch()
         old_version = pipe.version
         pipe.suspend("keep")
         with pytest.raises(RuntimeError, match="suspended: call resume"):
-            pipe.get_batch()
+            next(pipe)  # iterating a pipeline this very thread suspended would never end
         new_version = pipe.update_weights(policy)
         pipe.resume()
         second = pipe.get_batch()
@@ -320,10 +321,11 @@ def test_close_leaves_no_threads_behind(vllm_engine, tokenizer):
 
 
 def test_collection_continues_between_batches(vllm_engine, tokenizer):
-    """While the trainer works on a batch, episodes keep running in the background."""
+    """With ``async_generation_ratio=1`` the next batch's episodes run in the background
+    while the trainer works on this one."""
     import time
 
-    cfg = config(num_groups=4, concurrency=4, max_turns=1)
+    cfg = config(num_groups=4, concurrency=4, max_turns=1, async_generation_ratio=1)
     with RolloutPipeline(cfg, vllm_engine, tokenizer) as pipe:
         pipe.get_batch()
         deadline = time.monotonic() + 60

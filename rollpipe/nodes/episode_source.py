@@ -56,8 +56,12 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
         envs: an env name, an :class:`EnvChoice`, or several mixed by ``weight`` (one
             draw per group, so all members of a group run the same env).
         redundancy: extra members started per group; the first ``group_size`` to finish win.
-        control: when given, replacement groups requested by downstream stages are added
-            to a finite budget.
+        control: when given, groups requested by downstream stages (replacements for
+            dropped groups, or the pipeline's grants) are added to the budget.
+        metered: start with a budget of 0 groups and issue only what is requested through
+            ``control.request_groups`` (never more than ``num_groups``): the pipeline
+            grants one batch's groups per ``get_batch``, so generation does not run
+            ahead of the trainer (on-policy; see ``async_generation_ratio``).
     """
 
     def __init__(
@@ -69,6 +73,7 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
         *,
         redundancy: int = 0,
         control: RolloutControl | None = None,
+        metered: bool = False,
     ) -> None:
         super().__init__()
         if num_groups is not None:
@@ -82,11 +87,15 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
         self.seed = seed
         self.envs = as_env_choices(envs)
         self.control = control
+        if metered and control is None:
+            raise ValueError("EpisodeSource: metered=True needs a control to receive grants")
+        self.metered = metered
         weights = np.array([c.weight for c in self.envs], dtype=np.float64)
         self._cum_weights = np.cumsum(weights / weights.sum())
         self._group = 0
         self._member = 0
-        self._budget = num_groups
+        self._budget = num_groups  # groups it may issue in all (None: endless)
+        self._granted = 0  # metered: groups requested so far
 
     @property
     def members_per_group(self) -> int:
@@ -96,13 +105,20 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
         super().reset(initial_state)
         if initial_state is None:
             self._group, self._member, self._budget = 0, 0, self.num_groups
+            self._granted = 0
         else:
             self._group = int(initial_state["group"])
             self._member = int(initial_state["member"])
             self._budget = initial_state["budget"]
+            self._granted = int(initial_state.get("granted", 0))
 
     def get_state(self) -> dict[str, Any]:
-        return {"group": self._group, "member": self._member, "budget": self._budget}
+        return {
+            "group": self._group,
+            "member": self._member,
+            "budget": self._budget,
+            "granted": self._granted,
+        }
 
     def choice_for(self, group_id: int) -> EnvChoice:
         """The env kind of ``group_id``: a seeded weighted draw, fixed per group."""
@@ -125,10 +141,14 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
 
     def next(self) -> EpisodeSpec:
         if self.control is not None:
-            extra = self.control.take_replacements()
+            replacements = self.control.take_replacements()
             if self._budget is not None:
-                self._budget += extra
-        if self._budget is not None and self._group >= self._budget:
+                self._budget += replacements
+            if self.metered:
+                self._granted += replacements + self.control.take_grants()
+        if (self._budget is not None and self._group >= self._budget) or (
+            self.metered and self._group >= self._granted
+        ):
             raise StopIteration
         spec = self.spec(self._group, self._member)
         self._member += 1

@@ -131,7 +131,7 @@ class Rollout(BaseNode[Trajectory]):
         self._next_index = 0
         self._emit_index = 0
         self._source_done = False
-        self._requests_at_stop = 0  # replacement requests already pending when it stopped
+        self._requests_at_stop = 0  # control.requests_made when the source last ran dry
         self._source_state: dict[str, Any] | None = None
         self._failure: BaseException | None = None
         self._ready: asyncio.Event | None = None  # a result (or the end, or a failure)
@@ -216,10 +216,10 @@ class Rollout(BaseNode[Trajectory]):
         pulls = [loop.run_in_executor(self._source_thread, self._pull_one) for _ in range(n)]
         try:
             for pull in pulls:
-                spec, state = await pull
+                spec, state, requests_made = await pull
                 if spec is None:
                     self._source_done = True
-                    self._requests_at_stop = self.control.replacements_pending
+                    self._requests_at_stop = requests_made
                     continue
                 self._source_done = False
                 self._source_state = state
@@ -229,13 +229,16 @@ class Rollout(BaseNode[Trajectory]):
             for pull in pulls:
                 pull.cancel()  # those not started yet (a reset or close stopped the driver)
 
-    def _pull_one(self) -> tuple[EpisodeSpec | None, dict[str, Any] | None]:
-        """Source thread: the next spec and the source's state after it."""
+    def _pull_one(self) -> tuple[EpisodeSpec | None, dict[str, Any] | None, int]:
+        """Source thread: the next spec, the source's state after it, and how many groups
+        had been requested before the pull (a source that stops is pulled again only
+        once more are requested)."""
+        requests_made = self.control.requests_made
         try:
             spec = next(self.source)
         except StopIteration:
-            return None, None
-        return spec, self.source.state_dict()
+            return None, None, requests_made
+        return spec, self.source.state_dict(), requests_made
 
     def _admit(self, spec: EpisodeSpec) -> None:
         index = self._next_index
@@ -305,8 +308,8 @@ class Rollout(BaseNode[Trajectory]):
             self._ready.set()
 
     def _new_requests(self) -> bool:
-        """Replacement groups were requested since the source last ran dry."""
-        return self.control.replacements_pending > self._requests_at_stop
+        """More groups were requested or granted since the source last ran dry."""
+        return self.control.requests_made > self._requests_at_stop
 
     def _is_over(self) -> bool:
         return (

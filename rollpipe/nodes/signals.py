@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from rollpipe._utils.checks import check_int
 from rollpipe.runtime import Gate
 
 
@@ -26,6 +27,8 @@ class RolloutControl:
         self._lock = threading.Lock()
         self._cancelled: set[int] = set()
         self._replacements = 0
+        self._grants = 0
+        self._made = 0  # replacements + grants ever asked for
         self._listeners: list[Callable[[], None]] = []
 
     # -- listeners --------------------------------------------------------------------
@@ -80,13 +83,22 @@ class RolloutControl:
         with self._lock:
             return frozenset(self._cancelled)
 
-    # -- replacement work -----------------------------------------------------------
+    # -- more groups: replacements and grants ------------------------------------------
     def request_groups(self, n: int = 1) -> None:
         """Ask the episode source for ``n`` more groups (to replace dropped ones)."""
-        if n < 0:
-            raise ValueError(f"request_groups: n must be >= 0, got {n}")
+        check_int("request_groups: n", n, 0)
         with self._lock:
             self._replacements += n
+            self._made += n
+        self._changed()
+
+    def grant_groups(self, n: int) -> None:
+        """Let a metered episode source issue ``n`` more groups (the pipeline grants one
+        batch's worth per ``get_batch``, so generation does not run ahead)."""
+        check_int("grant_groups: n", n, 0)
+        with self._lock:
+            self._grants += n
+            self._made += n
         self._changed()
 
     @property
@@ -94,21 +106,39 @@ class RolloutControl:
         with self._lock:
             return self._replacements
 
+    @property
+    def requests_made(self) -> int:
+        """Groups requested or granted since this control was made (only grows): a source
+        that ran dry is worth pulling again once this passes what it was then."""
+        with self._lock:
+            return self._made
+
     def take_replacements(self) -> int:
         """Hand all pending replacement requests to the caller (the episode source)."""
         with self._lock:
             n, self._replacements = self._replacements, 0
             return n
 
+    def take_grants(self) -> int:
+        """Hand all pending grants to the caller (a metered episode source)."""
+        with self._lock:
+            n, self._grants = self._grants, 0
+            return n
+
     # -- checkpointing --------------------------------------------------------------
     def get_state(self) -> dict[str, object]:
         with self._lock:
-            return {"cancelled": sorted(self._cancelled), "replacements": self._replacements}
+            return {
+                "cancelled": sorted(self._cancelled),
+                "replacements": self._replacements,
+                "grants": self._grants,
+            }
 
     def load_state(self, state: dict[str, object] | None) -> None:
         with self._lock:
             if state is None:
-                self._cancelled, self._replacements = set(), 0
+                self._cancelled, self._replacements, self._grants = set(), 0, 0
             else:
                 self._cancelled = set(state["cancelled"])  # type: ignore[call-overload]
                 self._replacements = int(state["replacements"])  # type: ignore[call-overload]
+                self._grants = int(state.get("grants", 0))  # type: ignore[call-overload]
