@@ -30,8 +30,16 @@ from bench.common import (
 RESULTS = Path(__file__).resolve().parent / "results"
 # Order matters for memory: collate (hundreds of MB of records) runs last so it cannot
 # inflate the RSS figures of the engine benchmarks.
-BENCHMARKS = ("efficiency", "long_tail", "concurrency", "pause", "overhead", "collate")
-NEEDS_ENGINE = {"efficiency", "long_tail", "concurrency", "pause", "overhead"}
+BENCHMARKS = (
+    "efficiency",
+    "long_tail",
+    "concurrency",
+    "pause",
+    "overhead",
+    "collate",
+    "on_policy",
+)
+NEEDS_ENGINE = {"efficiency", "long_tail", "concurrency", "pause", "overhead", "on_policy"}
 LEVELS = (1, 8, 64, 256)
 
 # (label, JSON key, target text, format)
@@ -45,6 +53,28 @@ SUMMARY = (
     ("4", "Weight sync, tiny model", "weight_sync_ms", "—", "{:.1f} ms"),
     ("4", "resume() to first new token", "resume_first_token_ms", "—", "{:.1f} ms"),
     ("6", "CPU in rollpipe per trajectory", "overhead_cpu_ms_per_trajectory", "—", "{:.2f} ms"),
+    (
+        "7",
+        "On-policy (ratio 0): trajectories/s",
+        "on_policy_ratio0_trajectories_per_s",
+        "—",
+        "{:.1f}",
+    ),
+    (
+        "7",
+        "On-policy (ratio 0): wasted tokens/batch",
+        "on_policy_ratio0_wasted_tokens_per_batch",
+        "—",
+        "{:.0f}",
+    ),
+    ("7", "Async (ratio 1): trajectories/s", "on_policy_ratio1_trajectories_per_s", "—", "{:.1f}"),
+    (
+        "7",
+        "Async (ratio 1): wasted tokens/batch",
+        "on_policy_ratio1_wasted_tokens_per_batch",
+        "—",
+        "{:.0f}",
+    ),
 )
 
 

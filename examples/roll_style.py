@@ -1,8 +1,9 @@
-"""The GRPO loop written as a ROLL user writes it: get_batch, suspend, update, resume.
+"""The GRPO loop written as a ROLL user writes it: suspend, model update, get_batch.
 
-ROLL's agentic pipeline asks its RolloutScheduler for ``get_batch(data, batch_size)``,
-suspends rollout while the actor trains and the weights are broadcast, then resumes.
-rollpipe's ``RolloutPipeline`` has the same verbs.
+ROLL's agentic pipeline suspends its RolloutScheduler (abort in-flight requests), updates
+the inference weights, then asks for ``get_batch(data, batch_size)``, which resumes
+rollout; ``shutdown()`` ends it. rollpipe's ``RolloutPipeline`` takes the same calls, and
+is on-policy by default as ROLL is (``async_generation_ratio=0``).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rollpipe import PipelineConfig, RolloutPipeline, VLLMEngine, default_model_path
+from rollpipe import DataProto, PipelineConfig, RolloutPipeline, VLLMEngine, default_model_path
 from rollpipe.grpo import group_advantages, policy_loss, token_logprobs
 
 
@@ -36,9 +37,10 @@ def main(steps: int = 5, batch_size: int = 8, engine=None) -> list[float]:
     rewards = []
     try:
         for global_step in range(steps):
-            batch = scheduler.get_batch(batch_size)  # blocks until the batch is filled
-            batch.meta_info["global_step"] = global_step
-            scheduler.suspend()  # rollout stops admitting work; in-flight requests freeze
+            scheduler.suspend()  # abort in-flight requests; admit nothing new
+            scheduler.update_weights(actor)  # model_update: actor -> inference engine
+            data = DataProto(meta_info={"global_step": global_step})
+            batch = scheduler.get_batch(data, batch_size)  # resumes; blocks until filled
             advantages = group_advantages(
                 batch.batch["scores"].sum(-1), batch.batch["traj_group_id"]
             )
@@ -46,15 +48,13 @@ def main(steps: int = 5, batch_size: int = 8, engine=None) -> list[float]:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            scheduler.update_weights(actor)  # model_update: actor -> inference engine
-            scheduler.resume()
             rewards.append(batch.meta_info["metrics"]["episode_score/mean"])
             print(
                 f"global_step {global_step}: score {rewards[-1]:+.3f}, "
                 f"policy version {scheduler.version}"
             )
     finally:
-        scheduler.close()
+        scheduler.shutdown()
     return rewards
 
 
