@@ -6,17 +6,19 @@ naming the field.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
 import attrs
 
-from rollpipe._utils.checks import check_int, int_at_least, optional
+from rollpipe._utils.checks import check_int, float_in, int_at_least, optional
 from rollpipe.agent.chat import DEFAULT_SYSTEM_PROMPT
+from rollpipe.agent.episode import ON_LENGTH
 from rollpipe.engines.records import SamplingParams
 from rollpipe.envs import available as available_envs
 from rollpipe.nodes.episode_source import EnvChoice, as_env_choices
-from rollpipe.nodes.groups import FILTERS
+from rollpipe.nodes.groups import GroupRule, check_group_rule
 
 __all__ = ["PipelineConfig"]
 
@@ -86,16 +88,25 @@ class PipelineConfig:
         default="trajectory", validator=attrs.validators.in_(("trajectory", "step"))
     )
     pad_to_multiple_of: int | None = attrs.field(default=None, validator=optional(int_at_least(1)))
-    filter: str | None = attrs.field(
-        default=None, validator=attrs.validators.optional(attrs.validators.in_(tuple(FILTERS)))
-    )
+    keep_group: str | GroupRule | None = attrs.field(default=None, validator=check_group_rule)
+    drop_group: str | GroupRule | None = attrs.field(default=None, validator=check_group_rule)
     async_generation_ratio: int | None = attrs.field(default=0, validator=_count_or_none)
     max_drops_in_a_row: int = attrs.field(default=1000, validator=int_at_least(1))
     in_order: bool | None = None
     raise_env_errors: bool = False
-    on_length: Literal["skip", "step", "end"] = "skip"
+    on_length: Literal["step", "skip", "end"] = attrs.field(
+        default="step", validator=attrs.validators.in_(ON_LENGTH)
+    )
+    length_penalty: float | None = attrs.field(
+        default=None, validator=optional(float_in(-math.inf))
+    )
 
     def __attrs_post_init__(self) -> None:
+        if self.on_length == "step" and self.length_penalty is not None:
+            raise ValueError(
+                "PipelineConfig.length_penalty applies only to on_length='skip' or 'end'; "
+                "with 'step' the env alone rewards a cut response"
+            )
         if self.batch_size % self.group_size:
             raise ValueError(
                 f"PipelineConfig.batch_size={self.batch_size} is not a multiple of "
@@ -110,6 +121,12 @@ class PipelineConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PipelineConfig:
         """From plain data (YAML); an unknown key is an error listing the valid ones."""
+        if "filter" in data:
+            raise ValueError(
+                "PipelineConfig.filter was renamed: filter='zero_variance' is now "
+                "drop_group='zero_variance' (True drops, as ROLL's filter()); a predicate "
+                "that returns True to keep a group goes to keep_group"
+            )
         valid = sorted(f.name for f in attrs.fields(cls))
         unknown = sorted(set(data) - set(valid))
         if unknown:

@@ -98,12 +98,14 @@ def build_nodes(
         control=signals,
         raise_env_errors=config.raise_env_errors,
         on_length=config.on_length,
+        length_penalty=config.length_penalty,
     )
     groups = GroupAssembler(
         hooked("rollout", rollout),
         config.group_size,
         redundancy=config.redundancy,
-        filter=config.filter,
+        keep_group=config.keep_group,
+        drop_group=config.drop_group,
         max_staleness=config.async_generation_ratio,
         current_version=lambda: engine.version,
         control=signals,

@@ -25,19 +25,33 @@ from rollpipe.envs import FrozenLake
 from rollpipe.nodes.signals import RolloutControl
 
 LAKE = "P__\n_H_\n__G"  # a fixed 3x3 map: the tests are about tokens, not maps
+ROLL_METRICS = {"action_is_effective", "action_is_valid", "success", "format_penalty"}
 SAMPLING = SamplingParams(max_tokens=16, temperature=1.0)
 
 
 class RecordingLake(FrozenLake):
-    """FrozenLake that keeps every action text it was stepped with."""
+    """FrozenLake that keeps every action text it was stepped with, and its rewards."""
 
     def __init__(self, **kw: Any) -> None:
         super().__init__(level=LAKE, **kw)
         self.actions_seen: list[str] = []
+        self.rewards: list[float] = []
 
     def step(self, action_text: str) -> Any:
         self.actions_seen.append(action_text)
-        return super().step(action_text)
+        result = super().step(action_text)
+        self.rewards.append(result[1])
+        return result
+
+
+class BadMetricsLake(RecordingLake):
+    """Reports a metric that is not a number on its second step."""
+
+    def step(self, action_text: str) -> Any:
+        obs, reward, terminated, truncated, info = super().step(action_text)
+        if len(self.actions_seen) == 2:
+            info["metrics"] = {**info["metrics"], "note": "not a number"}
+        return obs, reward, terminated, truncated, info
 
 
 class FailingLake(RecordingLake):
@@ -166,6 +180,12 @@ def test_episodes_run_token_exact(hf_engine: Any, tokenizer: Any) -> None:
         for k, u in enumerate(t.turns[1:], 1):  # continuation: eot only if the response lacked it
             ended = t.turns[k - 1].response_ids[-1] == chat.eot_id
             assert (u.prompt_ids[0] == chat.eot_id) != ended
+        stepped = [u for u in t.turns if u.stepped]
+        if stepped:  # FrozenLake's step metrics, aggregated as ROLL does
+            assert set(t.env_metrics) == ROLL_METRICS
+            assert t.env_metrics["success"] == float(t.success)  # "last"
+            valid = sum(u.action_valid for u in stepped) / len(stepped)  # "mean"
+            assert t.env_metrics["action_is_valid"] == pytest.approx(valid)
     check_rows_against_envs(trajs, envs, tokenizer, chat)
 
 
@@ -221,37 +241,68 @@ def test_length_budget_caps_every_turn(hf_engine: Any, tokenizer: Any) -> None:
     assert all(u.finish_reason == "length" for u in t.turns)
 
 
-@pytest.mark.parametrize("on_length", ["skip", "step", "end"])
-def test_response_cut_at_max_tokens(hf_engine: Any, tokenizer: Any, on_length: str) -> None:
+@pytest.mark.parametrize("on_length", [None, "skip", "step", "end"])
+def test_response_cut_at_max_tokens(hf_engine: Any, tokenizer: Any, on_length: str | None) -> None:
+    """By default (as ROLL) a cut response is stepped and only the env rewards it, even
+    with no format penalty; "skip" and "end" apply the explicit length penalty."""
     chat = ChatFormat(tokenizer)
-    env = RecordingLake()
+    env = RecordingLake(format_penalty=0.0)
     params = SAMPLING.replace(max_tokens=4, ignore_eos=True)
+    kw: dict[str, Any] = {}
+    if on_length is not None:
+        kw["on_length"] = on_length
+    if on_length in ("skip", "end"):
+        kw["length_penalty"] = -0.5
     t = run(
         run_episode(
-            spec(),
-            env,
-            hf_engine,
-            chat,
-            sampling=params,
-            max_turns=3,
-            max_length=512,
-            on_length=on_length,
-            length_penalty=-0.5,
+            spec(), env, hf_engine, chat, sampling=params, max_turns=3, max_length=512, **kw
         )
-    )  # type: ignore[arg-type]
+    )
     assert all(u.length_cut and len(u.response_ids) == 4 for u in t.turns)
     if on_length == "skip":  # not handed to the env, penalized, episode goes on
         assert env.actions_seen == [] and len(t.turns) == 3 and t.end_reason == "max_turns"
         assert [u.reward for u in t.turns] == [-0.5] * 3 and not any(u.stepped for u in t.turns)
         assert all(u.observation == t.initial_observation for u in t.turns)
         assert all(u.prompt_ids[0] == chat.eot_id for u in t.turns[1:])  # turn closed for it
-    elif on_length == "step":
-        assert env.actions_seen == [u.action_text for u in t.turns]
-        assert all(u.stepped for u in t.turns)
-    else:
+        assert t.env_metrics == {}  # the env was never stepped
+    elif on_length == "end":
         assert len(t.turns) == 1 and t.end_reason == "max_length" and t.score == -0.5
         assert env.actions_seen == []
+    else:  # "step", the default
+        assert env.actions_seen == [u.action_text for u in t.turns]
+        assert all(u.stepped for u in t.turns)
+        assert [u.reward for u in t.turns] == env.rewards  # the env's rewards, nothing added
+        assert t.score == sum(env.rewards) and -0.1 not in env.rewards
+        assert set(t.env_metrics) == ROLL_METRICS
     check_rows_against_envs([t], [env], tokenizer, chat)
+
+
+def test_on_length_arguments_are_checked(hf_engine: Any, tokenizer: Any) -> None:
+    kw: dict[str, Any] = {"sampling": SAMPLING, "max_turns": 1, "max_length": 512}
+    chat = ChatFormat(tokenizer)
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"length_penalty": -0.5}, "length_penalty=-0.5 has no effect with on_length='step'"),
+        ({"on_length": "drop"}, "on_length must be one of"),
+        (
+            {"on_length": "skip", "length_penalty": float("nan")},
+            "length_penalty must be a finite number, got nan",
+        ),
+    ]
+    for extra, message in cases:
+        with pytest.raises(ValueError, match=message):
+            run(run_episode(spec(), RecordingLake(), hf_engine, chat, **kw, **extra))
+
+
+def test_malformed_env_metrics_are_an_env_error(hf_engine: Any, tokenizer: Any) -> None:
+    chat = ChatFormat(tokenizer)
+    kw: dict[str, Any] = {"sampling": SAMPLING, "max_turns": 3, "max_length": 512}
+    env = BadMetricsLake()  # one step cannot end an episode on LAKE: the second always runs
+    t = run(run_episode(spec(), env, hf_engine, chat, **kw))
+    assert len(env.actions_seen) == 2 and t.end_reason == "error"
+    assert "info['metrics']['note'] must be a number" in str(t.error)
+    assert len(t.turns) == 2 and t.turns[1].stepped  # the env did step; its report was bad
+    with pytest.raises(ValueError, match=r"\['note'\] must be a number"):
+        run(run_episode(spec(), BadMetricsLake(), hf_engine, chat, **kw, raise_env_errors=True))
 
 
 @pytest.mark.parametrize("fail_at", [0, 2])

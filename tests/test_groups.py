@@ -1,22 +1,36 @@
-"""GroupAssembler on arbitrary arrival orders (hypothesis), filters, staleness, errors."""
+"""GroupAssembler on arbitrary arrival orders (hypothesis), keep/drop rules, staleness,
+errors, and drop counts per env tag."""
 
 from __future__ import annotations
 
 from collections import Counter
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torchdata.nodes import IterableWrapper, Loader
 
-from rollpipe.nodes.groups import GroupAssembler, drop_zero_variance
+from rollpipe.agent.records import Group
+from rollpipe.nodes.groups import (
+    GroupAssembler,
+    check_group_rule,
+    resolve_group_rule,
+    scores_differ,
+    zero_variance,
+)
 from rollpipe.nodes.signals import RolloutControl
 
 from records import make_trajectory
 
 
-def arrivals(num_groups: int, members: int, order: list[int], scores=None, errors=()):
-    """Trajectories of ``num_groups`` groups, ``members`` each, permuted by ``order``."""
+def tagged(traj, tag):
+    return attrs.evolve(traj, spec=attrs.evolve(traj.spec, tag=tag))
+
+
+def arrivals(num_groups: int, members: int, order: list[int], scores=None, errors=(), tags=None):
+    """Trajectories of ``num_groups`` groups, ``members`` each, permuted by ``order``;
+    group ``g`` has env tag ``tags[g]`` (default: none, so the env name)."""
     trajs = [
         make_trajectory(
             g,
@@ -27,7 +41,16 @@ def arrivals(num_groups: int, members: int, order: list[int], scores=None, error
         for g in range(num_groups)
         for m in range(members)
     ]
+    if tags is not None:
+        trajs = [tagged(t, tags[t.group_id]) for t in trajs]
     return [trajs[i] for i in order]
+
+
+def summed_over_tags(tag_drops) -> Counter:
+    total: Counter = Counter()
+    for counts in tag_drops.values():
+        total.update(counts)
+    return +total
 
 
 @st.composite
@@ -54,7 +77,7 @@ def test_every_group_once_with_its_first_finishers(stream):
         assert [t.episode_id for t in g.trajectories] == arrived[:group_size]
     ids = [t.episode_id for g in groups for t in g.trajectories]
     assert len(ids) == len(set(ids))
-    drops = Counter()
+    drops: Counter[str] = Counter()
     for g in groups:
         drops.update(g.drops)
     # late members of already emitted groups are counted, except those after the last group
@@ -109,17 +132,134 @@ def _succeeded_first(trajs, gid, group_size, redundancy):
     return False
 
 
-def test_zero_variance_filter_drops_and_requests_replacements():
+def test_zero_variance_drop_rule_drops_and_requests_replacements():
     scores = [[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]]
-    trajs = arrivals(3, 2, list(range(6)), scores=scores)
+    trajs = arrivals(3, 2, list(range(6)), scores=scores, tags=["a", "b", "c"])
     control = RolloutControl()
-    node = GroupAssembler(IterableWrapper(trajs), 2, filter="zero_variance", control=control)
+    node = GroupAssembler(IterableWrapper(trajs), 2, drop_group="zero_variance", control=control)
     groups = list(node)
     assert [g.group_id for g in groups] == [1]
     assert groups[0].drops == {"filtered": 1}
+    assert groups[0].tag_drops == {"a": {"filtered": 1}}
     assert node.pending_drops["filtered"] == 1  # group 2, after the last emitted group
+    assert node.pending_tag_drops == {"c": {"filtered": 1}}
+    assert node.total_tag_drops == {"a": {"filtered": 1}, "c": {"filtered": 1}}
     assert control.replacements_pending == 2
-    assert not drop_zero_variance(groups[0].__class__(group_id=0, trajectories=trajs[:2]))
+    equal = Group(group_id=0, trajectories=trajs[:2])
+    assert zero_variance(equal) and not scores_differ(equal)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=2, max_size=2), max_size=6))
+def test_keep_and_drop_rules_have_the_polarity_their_names_say(scores):
+    """keep_group=scores_differ, drop_group='zero_variance' and the deprecated
+    filter='zero_variance' keep the same groups: exactly those whose scores differ."""
+    trajs = arrivals(len(scores), 2, list(range(2 * len(scores))), scores=scores)
+    expected = [g for g, pair in enumerate(scores) if pair[0] != pair[1]]
+
+    def kept(**rule):
+        node = GroupAssembler(IterableWrapper(trajs), 2, max_drops_in_a_row=100, **rule)
+        return [g.group_id for g in node]
+
+    assert kept(keep_group="scores_differ") == expected
+    assert kept(keep_group=scores_differ) == expected
+    assert kept(drop_group="zero_variance") == expected
+    assert kept(drop_group=zero_variance) == expected
+    assert kept(keep_group="scores_differ", drop_group="operator:not_") == expected
+    with pytest.warns(DeprecationWarning, match="drop_group='zero_variance' replaces"):
+        assert kept(filter="zero_variance") == expected
+    everything = list(range(len(scores)))
+    assert kept(keep_group="operator:truth") == everything  # a non-empty Group is truthy
+    assert kept(drop_group="operator.not_") == everything  # ROLL's dotted path form
+    assert kept(drop_group=lambda g: True) == []
+
+
+def test_rule_errors_name_the_field_and_the_value():
+    with pytest.raises(ValueError, match=r"keep_group='zero_variance': .* is a drop_group rule"):
+        GroupAssembler(IterableWrapper([]), 2, keep_group="zero_variance")
+    with pytest.raises(ValueError, match=r"drop_group='scores_differ': .* is a keep_group rule"):
+        GroupAssembler(IterableWrapper([]), 2, drop_group="scores_differ")
+    cases = {
+        "nope": r"GroupAssembler.drop_group: unknown name 'nope'; give a registered name "
+        r"\(\['zero_variance'\]\), a callable Group -> bool, or an import path",
+        "no_such_module_x:fn": r"GroupAssembler.drop_group: cannot import 'no_such_module_x:fn' "
+        r"\(ModuleNotFoundError",
+        "operator:nope": r"cannot import 'operator:nope' \(AttributeError",
+        "math:pi": r"GroupAssembler.drop_group: 'math:pi' is not callable",
+        "collections:Counter": r"'collections:Counter' is a class; give a function",
+        "operator:add": r"'operator:add' must take one argument, the Group",
+    }
+    for value, message in cases.items():
+        with pytest.raises(ValueError, match=message):
+            GroupAssembler(IterableWrapper([]), 2, drop_group=value)
+    with pytest.raises(ValueError, match=r"keep_group: 3 is not callable"):
+        GroupAssembler(IterableWrapper([]), 2, keep_group=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="deprecated name of keep_group"):
+        GroupAssembler(IterableWrapper([]), 2, keep_group="scores_differ", filter="zero_variance")
+
+
+def test_config_validator_names_the_config_field():
+    @attrs.frozen
+    class Config:
+        drop_group: str | None = attrs.field(default=None, validator=check_group_rule)
+
+    assert Config("zero_variance").drop_group == "zero_variance"
+    assert Config("operator:not_").drop_group == "operator:not_"
+    with pytest.raises(ValueError, match=r"Config.drop_group: cannot import 'nowhere_x:f'"):
+        Config("nowhere_x:f")
+    assert resolve_group_rule(None, "keep_group") is None
+    with pytest.raises(ValueError, match="field must end in 'keep_group' or 'drop_group'"):
+        resolve_group_rule("zero_variance", "filter")
+
+
+@settings(max_examples=60, deadline=None)
+@given(group_streams(), st.data())
+def test_drops_per_tag_add_up_to_the_drops(stream, data):
+    """Whatever is dropped (errored, empty of signal, redundant, incomplete), the per-tag
+    counts sum to the global ones, on every group, pending and in total, and each drop
+    is counted under the tag of the group it came from."""
+    num_groups, group_size, redundancy, order = stream
+    members = group_size + redundancy
+    tags = data.draw(
+        st.lists(st.sampled_from(["a", "b", "c/d"]), min_size=num_groups, max_size=num_groups)
+    )
+    errors = set(
+        data.draw(
+            st.lists(
+                st.tuples(st.integers(0, num_groups - 1), st.integers(0, members - 1)), unique=True
+            )
+        )
+    )
+    scores = [
+        [data.draw(st.sampled_from([0.0, 1.0])) for _ in range(members)] for _ in range(num_groups)
+    ]
+    trajs = arrivals(num_groups, members, order, scores=scores, errors=errors, tags=tags)
+    cut = data.draw(st.integers(0, len(trajs)))  # an unfinished stream leaves groups incomplete
+    node = GroupAssembler(
+        IterableWrapper(trajs[:cut]),
+        group_size,
+        redundancy=redundancy,
+        drop_group="zero_variance",
+        control=RolloutControl(),
+        max_drops_in_a_row=1000,
+    )
+    groups = list(node)
+    for g in [*groups, None]:
+        drops = node.pending_drops if g is None else g.drops
+        tag_drops = node.pending_tag_drops if g is None else g.tag_drops
+        assert summed_over_tags(tag_drops) == +Counter(drops)
+    assert summed_over_tags(node.total_tag_drops) == +node.total_drops
+    # groups are assembled independently, so a tag's counts are what its groups alone give
+    for tag in set(tags):
+        alone = GroupAssembler(
+            IterableWrapper([t for t in trajs[:cut] if t.tag == tag]),
+            group_size,
+            redundancy=redundancy,
+            drop_group="zero_variance",
+            max_drops_in_a_row=1000,
+        )
+        list(alone)
+        assert +node.total_tag_drops.get(tag, Counter()) == +alone.total_drops
 
 
 @given(cap=st.integers(1, 6), kept_after=st.integers(0, 8))
@@ -130,7 +270,9 @@ def test_a_filter_that_rejects_everything_gives_up_after_max_drops_in_a_row(cap,
     scores = [[1.0, 1.0]] * n_groups
     scores[kept_after] = [0.0, 1.0]  # the one group with a signal
     trajs = arrivals(n_groups, 2, list(range(2 * n_groups)), scores=scores)
-    node = GroupAssembler(IterableWrapper(trajs), 2, filter="zero_variance", max_drops_in_a_row=cap)
+    node = GroupAssembler(
+        IterableWrapper(trajs), 2, drop_group="zero_variance", max_drops_in_a_row=cap
+    )
     if kept_after >= cap:  # the cap is hit before the kept group arrives
         with pytest.raises(RuntimeError, match=rf"{cap} groups in a row .*'filtered': {cap}"):
             next(node)
@@ -150,6 +292,7 @@ def test_stale_groups_are_dropped():
     groups = list(node)
     assert [g.group_id for g in groups] == [1]
     assert groups[0].drops == {"stale": 1}
+    assert groups[0].tag_drops == {"frozenlake": {"stale": 1}}  # no tag: the env name
 
 
 def test_redundant_members_are_cancelled_through_control():
@@ -181,8 +324,8 @@ def test_bad_arguments_name_the_field():
         GroupAssembler(IterableWrapper([]), 0)
     with pytest.raises(ValueError, match="max_staleness needs current_version"):
         GroupAssembler(IterableWrapper([]), 2, max_staleness=1)
-    with pytest.raises(ValueError, match="unknown name 'nope'"):
-        GroupAssembler(IterableWrapper([]), 2, filter="nope")
+    with pytest.raises(ValueError, match="keep_group: unknown name 'nope'"):
+        GroupAssembler(IterableWrapper([]), 2, keep_group="nope")
     with pytest.raises(ValueError, match="max_drops_in_a_row must be an int >= 1, got 0"):
         GroupAssembler(IterableWrapper([]), 2, max_drops_in_a_row=0)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from typing import Any
 
 import attrs
 import numpy as np
@@ -51,7 +52,7 @@ def test_episode_spec_normalises_env_config_and_is_hashable() -> None:
 
 @pytest.mark.parametrize("field", ["group_id", "episode_id", "seed"])
 def test_episode_spec_rejects_negative_ids_naming_the_field(field: str) -> None:
-    kw = {"group_id": 0, "episode_id": 0, "seed": 0, field: -1}
+    kw: dict[str, Any] = {"group_id": 0, "episode_id": 0, "seed": 0, field: -1}
     with pytest.raises(ValueError, match=f"EpisodeSpec.{field}"):
         EpisodeSpec(**kw)
 
@@ -112,11 +113,24 @@ def test_version_range_covers_every_generated_token(versions: list[list[int]]) -
     assert (t.min_version, t.max_version) == ((min(flat), max(flat)) if flat else (-1, -1))
 
 
+def test_env_metrics_are_floats_that_take_part_in_equality_not_hashing() -> None:
+    t = traj(env_metrics={"success": True, "action_is_valid": np.float32(0.5), "n": 3})
+    assert t.env_metrics == {"success": 1.0, "action_is_valid": 0.5, "n": 3.0}
+    assert all(type(v) is float for v in t.env_metrics.values())
+    plain = traj()
+    assert plain.env_metrics == {} and plain != t and hash(plain) == hash(t)
+    assert pickle.loads(pickle.dumps(t)) == t
+    old_state = {k: v for k, v in t.to_state().items() if k != "env_metrics"}  # an older checkpoint
+    assert Trajectory.from_state(old_state).env_metrics == {}
+
+
 def test_group_checks_membership_and_keeps_drops() -> None:
     a, b = traj((turn(reward=1.0),)), traj((turn(reward=0.0),), spec=EpisodeSpec(3, 8, 11))
-    g = Group(3, [a, b], drops={"stale": 2})
+    g = Group(3, [a, b], drops={"stale": 2}, tag_drops={"lake": {"stale": 2}})
     assert len(g) == 2 and g.scores == [1.0, 0.0] and g.drops == {"stale": 2}
-    assert hash(g) == hash(Group(3, (a, b)))  # drops do not take part in hashing
+    assert g.tag_drops == {"lake": {"stale": 2}}
+    assert g == Group(3, (a, b))  # drop counts take no part in equality
+    assert hash(g) == hash(Group(3, (a, b)))  # nor in hashing
     assert g.min_version == 0
     with pytest.raises(ValueError, match="Group 4 holds trajectories of other groups"):
         Group(4, [a])

@@ -11,15 +11,19 @@ Outcomes, each defined (never a hang):
 * ``max_turns`` turns taken -> ``"max_turns"``;
 * the next prompt leaves no room to generate within ``max_length`` (also at turn 0,
   giving a trajectory with no turns) -> ``"max_length"``;
-* the env raises -> ``"error"`` with the exception's repr (or re-raised with
-  ``raise_env_errors=True``); engine errors always propagate;
-* a response cut at ``max_tokens`` (finish_reason ``"length"``): ``on_length="skip"``
-  (default) does not hand the partial text to the env — the turn gets
-  ``length_penalty`` and the episode continues from the same observation;
-  ``"step"`` hands it to the env anyway; ``"end"`` penalizes it and ends the episode
-  with ``"max_length"``;
+* the env raises, or reports malformed ``info["metrics"]`` -> ``"error"`` with the
+  exception's repr (or re-raised with ``raise_env_errors=True``); engine errors always
+  propagate;
+* a response cut at ``max_tokens`` (finish_reason ``"length"``): ``on_length="step"``
+  (default, as ROLL) hands the cut text to the env like any other response, and the
+  env's reward is all it gets; ``"skip"`` does not step the env — the turn gets
+  ``length_penalty`` and the episode continues from the same observation; ``"end"``
+  gives the turn ``length_penalty`` and ends the episode with ``"max_length"``;
 * finish_reason ``"abort"`` (engine paused with ``mode="abort"``): the partial
   response is discarded and the same turn is regenerated once ``admit()`` lets it.
+
+Each step's ``info["metrics"]`` is aggregated into ``Trajectory.env_metrics`` as ROLL's
+env managers do (see :mod:`rollpipe.envs.metrics`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import asyncio
 import concurrent.futures
 import functools
 import inspect
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
@@ -37,9 +42,12 @@ from rollpipe.agent.chat import ChatFormat
 from rollpipe.agent.records import EndReason, EpisodeSpec, Trajectory, Turn
 from rollpipe.engines.protocol import Engine
 from rollpipe.engines.records import EngineError, Generation, SamplingParams
+from rollpipe.envs.metrics import aggregate_metrics, step_metrics
 
-OnLength = Literal["skip", "step", "end"]
-_ON_LENGTH = ("skip", "step", "end")
+OnLength = Literal["step", "skip", "end"]
+ON_LENGTH: tuple[str, ...] = ("step", "skip", "end")
+DEFAULT_LENGTH_PENALTY = -0.1
+"""The reward of a cut turn under ``on_length="skip"`` / ``"end"`` (never under ``"step"``)."""
 
 
 class _EnvFailed(Exception):
@@ -135,8 +143,8 @@ async def run_episode(
     admit: Callable[[], Awaitable[None]] | None = None,
     env_executor: concurrent.futures.Executor | None = None,
     raise_env_errors: bool = False,
-    on_length: OnLength = "skip",
-    length_penalty: float = -0.1,
+    on_length: OnLength = "step",
+    length_penalty: float | None = None,
     max_aborts: int = 1000,
 ) -> Trajectory:
     """Run one episode of ``env`` (a TextEnv or AsyncTextEnv) with ``engine``; see module doc.
@@ -148,14 +156,24 @@ async def run_episode(
     ``min(sampling.max_tokens, budget left)``; the template's end-of-turn token is added
     to ``stop_token_ids`` (unless ``ignore_eos``). ``admit()`` is awaited before every
     engine request. Engines that return no logprobs get 0.0 per token. The env is not
-    closed (the caller owns it).
+    closed (the caller owns it). ``length_penalty`` (default ``DEFAULT_LENGTH_PENALTY``)
+    is the reward of a cut turn under ``on_length="skip"``/``"end"``; with ``"step"``
+    giving one is an error, since the env alone rewards a cut response there.
     """
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
     if max_length < 2:
         raise ValueError(f"max_length must be >= 2 tokens, got {max_length}")
-    if on_length not in _ON_LENGTH:
-        raise ValueError(f"on_length must be one of {_ON_LENGTH}, got {on_length!r}")
+    if on_length not in ON_LENGTH:
+        raise ValueError(f"on_length must be one of {ON_LENGTH}, got {on_length!r}")
+    if on_length == "step" and length_penalty is not None:
+        raise ValueError(
+            f"length_penalty={length_penalty} has no effect with on_length='step' (the env "
+            "rewards a cut response); use on_length='skip' or 'end', or drop length_penalty"
+        )
+    penalty = DEFAULT_LENGTH_PENALTY if length_penalty is None else float(length_penalty)
+    if not math.isfinite(penalty):
+        raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
     clock = _Clock()
     turns: list[Turn] = []
     context: list[int] = []  # conversation mode: every id the engine has seen or produced
@@ -167,6 +185,8 @@ async def run_episode(
     error: str | None = None
     success = False
     observation = ""
+    metrics: list[dict[str, float]] = []  # each env step's info["metrics"]
+    agg_modes: dict[str, str] = {}  # the latest aggregation mode named for each metric
 
     def done(reason: EndReason, err: str | None = None) -> Trajectory:
         return Trajectory(
@@ -181,6 +201,7 @@ async def run_episode(
             engine_time_s=clock.engine,
             final_observation=observation,
             history_window=chat.history_window,
+            env_metrics=aggregate_metrics(metrics, agg_modes),
         )
 
     try:
@@ -203,9 +224,7 @@ async def run_episode(
             if not windowed:
                 context = [*prompt, *gen.token_ids]
             if gen.finish_reason == "length" and on_length != "step":
-                turns.append(
-                    Turn(**fields, reward=length_penalty, action_valid=False, stepped=False)
-                )
+                turns.append(Turn(**fields, reward=penalty, action_valid=False, stepped=False))
                 if on_length == "end":
                     end_reason = "max_length"
                     break
@@ -220,6 +239,12 @@ async def run_episode(
                 Turn(**fields, reward=reward, action_valid=bool(info.get("action_valid", False)))
             )
             success = bool(info.get("success", False))
+            try:
+                step_values, modes = step_metrics(info)
+            except ValueError as exc:  # the env's bug: recorded like an env error
+                raise _EnvFailed(exc) from exc
+            metrics.append(step_values)
+            agg_modes.update(modes)
             if terminated or truncated:
                 end_reason = "terminated" if terminated else "truncated"
                 break

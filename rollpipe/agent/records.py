@@ -2,10 +2,11 @@
 
 Token ids are kept exactly as the engine received and produced them, so the rows built
 from these records (``rollpipe.data.rows``) never re-tokenize text. All records are
-frozen attrs classes: hashable (``Group.drops`` takes no part), picklable, cheap to ship
-between processes. ``to_state()`` / ``from_state()`` give checkpoint state as plain data
-(ints, floats, str, bool, None, lists, dicts and tensors: ``torch.load(weights_only=True)``
-reads it, and it is JSON apart from the tensors).
+frozen attrs classes: hashable (``Trajectory.env_metrics`` and ``Group``'s drop counts
+take no part), picklable, cheap to ship between processes. ``to_state()`` /
+``from_state()`` give checkpoint state as plain data (ints, floats, str, bool, None,
+lists, dicts and tensors: ``torch.load(weights_only=True)`` reads it, and it is JSON
+apart from the tensors).
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ class Turn:
 
     ``action_text`` is the decoded response; it is what ``env.step`` received when
     ``stepped`` is true. A response cut at ``max_tokens`` (``finish_reason ==
-    "length"``) is not stepped by default and ``reward`` is then the length penalty.
+    "length"``) is stepped like any other by default; with ``on_length="skip"`` or
+    ``"end"`` it is not, and ``reward`` is then the explicit length penalty.
     ``observation`` is the env observation this turn answered.
     """
 
@@ -181,6 +183,10 @@ def _turns(value: Iterable[Turn]) -> tuple[Turn, ...]:
     return tuple(value)
 
 
+def _metrics(value: Mapping[str, float]) -> dict[str, float]:
+    return {str(k): float(v) for k, v in dict(value).items()}
+
+
 @attrs.frozen
 class Trajectory:
     """One finished episode: its spec, turns, score and why it ended.
@@ -190,6 +196,8 @@ class Trajectory:
     token budget left no room for another turn — possibly at turn 0, with no turns),
     ``error`` (the env raised; ``error`` holds its repr). ``history_window`` is the
     ``ChatFormat`` mode the prompts were built in (``None``: one growing conversation).
+    ``env_metrics`` are the env's step ``info["metrics"]`` aggregated over the episode
+    (``rollpipe.envs.metrics``); they take part in equality, not in hashing.
     """
 
     spec: EpisodeSpec
@@ -203,6 +211,7 @@ class Trajectory:
     engine_time_s: float = 0.0
     final_observation: str = ""
     history_window: int | None = None
+    env_metrics: Mapping[str, float] = attrs.field(factory=dict, converter=_metrics, hash=False)
 
     def __attrs_post_init__(self) -> None:
         if (self.end_reason == "error") != (self.error is not None):
@@ -281,6 +290,7 @@ class Trajectory:
             "engine_time_s": float(self.engine_time_s),
             "final_observation": self.final_observation,
             "history_window": self.history_window,
+            "env_metrics": dict(self.env_metrics),
         }
 
     @classmethod
@@ -298,13 +308,25 @@ def _drops(value: Mapping[str, int]) -> dict[str, int]:
     return {str(k): int(v) for k, v in dict(value).items()}
 
 
+def _tag_drops(value: Mapping[str, Mapping[str, int]]) -> dict[str, dict[str, int]]:
+    return {str(tag): _drops(counts) for tag, counts in dict(value).items()}
+
+
 @attrs.frozen
 class Group:
-    """The trajectories of one group id, plus counts of members dropped by reason."""
+    """The trajectories of one group id, plus counts of what was dropped before it.
+
+    ``drops`` counts by reason; ``tag_drops`` splits the same counts by env tag
+    (``{tag: {reason: n}}``), so per-tag metrics can report them. Neither takes part in
+    equality.
+    """
 
     group_id: int = attrs.field(validator=int_at_least(0))
     trajectories: tuple[Trajectory, ...] = attrs.field(converter=_trajectories)
     drops: Mapping[str, int] = attrs.field(factory=dict, converter=_drops, eq=False)
+    tag_drops: Mapping[str, Mapping[str, int]] = attrs.field(
+        factory=dict, converter=_tag_drops, eq=False
+    )
 
     def __attrs_post_init__(self) -> None:
         wrong = [t.traj_id for t in self.trajectories if t.group_id != self.group_id]
@@ -328,14 +350,15 @@ class Group:
         return min(versions) if versions else -1
 
     def to_state(self) -> dict[str, Any]:
-        """Plain-data state, ``drops`` included; ``from_state`` rebuilds an equal group."""
+        """Plain-data state, drop counts included; ``from_state`` rebuilds an equal group."""
         return {
             "group_id": self.group_id,
             "trajectories": [t.to_state() for t in self.trajectories],
             "drops": dict(self.drops),
+            "tag_drops": {tag: dict(counts) for tag, counts in self.tag_drops.items()},
         }
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> Group:
         trajectories = tuple(Trajectory.from_state(t) for t in state["trajectories"])
-        return cls(state["group_id"], trajectories, state["drops"])
+        return cls(state["group_id"], trajectories, state["drops"], state.get("tag_drops", {}))

@@ -1,11 +1,16 @@
 """Batch metrics: what a trainer logs about the rollouts behind one batch.
 
 Flat ``name -> float`` dicts, the shape ROLL and verl keep in ``meta_info["metrics"]``
-(``DataProto.concat`` merges them into lists).
+(``DataProto.concat`` merges them into lists). Global keys first, then, per env tag,
+``env/{tag}/...`` as ROLL names them: the env's own step metrics (``success``,
+``action_is_valid``... averaged over the tag's trajectories) and rollpipe's
+(``TAG_KEYS``, plus ``dropped/{kind}``), which win a name clash as ROLL's
+``num_actions`` does.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -24,6 +29,21 @@ DROP_KINDS = (
 )
 
 
+TAG_KEYS = (
+    "trajectories",
+    "success_rate",
+    "score/mean",
+    "score/min",
+    "score/max",
+    "turns/mean",
+    "turns/min",
+    "turns/max",
+    "valid_action_rate",
+    "num_actions",
+)
+"""rollpipe's per-tag keys, under ``env/{tag}/`` (besides ``dropped/{kind}``)."""
+
+
 def _stats(prefix: str, values: np.ndarray) -> dict[str, float]:
     if values.size == 0:
         return {f"{prefix}/mean": 0.0, f"{prefix}/min": 0.0, f"{prefix}/max": 0.0}
@@ -34,20 +54,64 @@ def _stats(prefix: str, values: np.ndarray) -> dict[str, float]:
     }
 
 
+def _valid_rate(trajectories: Sequence[Trajectory]) -> float:
+    turns = [u.action_valid for t in trajectories for u in t.turns]
+    return float(np.mean(turns)) if turns else 0.0
+
+
+def tag_metrics(
+    tag: str, trajectories: Sequence[Trajectory], drops: Mapping[str, int] | None = None
+) -> dict[str, float]:
+    """``env/{tag}/...`` for the trajectories of one tag and the drops counted for it.
+
+    Env metrics are averaged over the trajectories that report them (ROLL reduces its
+    per-trajectory ``env/{tag}/*`` lists by mean); ``valid_action_rate`` is per turn,
+    ``num_actions`` the mean count of env steps per trajectory (ROLL's name).
+    """
+    prefix = f"env/{tag}/"
+    reported: defaultdict[str, list[float]] = defaultdict(list)
+    for t in trajectories:
+        for name, value in t.env_metrics.items():
+            reported[name].append(value)
+    out = {prefix + name: float(np.mean(values)) for name, values in reported.items()}
+    scores = np.array([t.score for t in trajectories], dtype=np.float64)
+    turns = np.array([len(t.turns) for t in trajectories], dtype=np.float64)
+    steps = [sum(u.stepped for u in t.turns) for t in trajectories]
+    out.update(
+        {
+            f"{prefix}trajectories": float(len(trajectories)),
+            f"{prefix}success_rate": (
+                float(np.mean([t.success for t in trajectories])) if trajectories else 0.0
+            ),
+            **_stats(f"{prefix}score", scores),
+            **_stats(f"{prefix}turns", turns),
+            f"{prefix}valid_action_rate": _valid_rate(trajectories),
+            f"{prefix}num_actions": float(np.mean(steps)) if steps else 0.0,
+        }
+    )
+    for kind in DROP_KINDS:
+        out[f"{prefix}dropped/{kind}"] = float((drops or {}).get(kind, 0))
+    return out
+
+
 def batch_metrics(
     trajectories: Sequence[Trajectory],
     drops: Mapping[str, int] | None = None,
     wall_time_s: float = 0.0,
     stream_time_s: float = 0.0,
     stream_tokens: int = 0,
+    *,
+    tag_drops: Mapping[str, Mapping[str, int]] | None = None,
 ) -> dict[str, float]:
-    """Score, success, turns, response lengths, throughput, time split and drop counts.
+    """Score, success, turns, response lengths, throughput, time split and drop counts,
+    globally and per env tag (``tag_metrics``; ``tag_drops`` is ``{tag: {kind: n}}``).
 
     Throughput is the stream's sustained rate (tokens generated for yielded trajectories
     since the stream started, over that time): a batch that was already complete when
     the previous one was taken would otherwise show an absurd per-batch rate.
     """
     drops = drops or {}
+    tag_drops = tag_drops or {}
     scores = np.array([t.score for t in trajectories], dtype=np.float64)
     turns = np.array([len(t.turns) for t in trajectories], dtype=np.float64)
     response_lengths = np.array(
@@ -72,4 +136,10 @@ def batch_metrics(
     for kind in DROP_KINDS:
         metrics[f"dropped/{kind}"] = float(drops.get(kind, 0))
     metrics["end_reason/error"] = float(sum(t.end_reason == "error" for t in trajectories))
+    metrics["valid_action_rate"] = _valid_rate(trajectories)
+    by_tag: defaultdict[str, list[Trajectory]] = defaultdict(list)
+    for t in trajectories:
+        by_tag[t.tag].append(t)
+    for tag in sorted(by_tag.keys() | tag_drops.keys()):
+        metrics.update(tag_metrics(tag, by_tag.get(tag, []), tag_drops.get(tag)))
     return metrics

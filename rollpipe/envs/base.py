@@ -3,8 +3,9 @@
 An environment speaks text: ``reset(seed)`` gives the first observation (instruction,
 legend, grid) and ``step(action_text)`` takes the model's raw response. ``info`` always
 holds ``action_valid``, ``action`` (canonical action or None) and ``success``; ``step``
-adds ``format_penalty_applied``. Blocking envs implement :class:`TextEnv`; envs that do
-I/O implement :class:`AsyncTextEnv` (same signatures, ``async``).
+adds ``format_penalty_applied``, and may add ROLL's ``metrics`` / ``metrics_agg_mode``
+(see :mod:`rollpipe.envs.metrics`). Blocking envs implement :class:`TextEnv`; envs that
+do I/O implement :class:`AsyncTextEnv` (same signatures, ``async``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ from rollpipe.envs.parsing import (
 
 Info = dict[str, Any]
 StepResult = tuple[str, float, bool, bool, Info]
+
+GRID_METRICS_AGG_MODE: dict[str, str] = {
+    "action_is_effective": "mean",
+    "action_is_valid": "mean",
+    "success": "last",
+    "format_penalty": "mean",
+}
+"""How the grid envs' step metrics (ROLL's names) aggregate over a trajectory, as ROLL's."""
 
 
 @runtime_checkable
@@ -112,7 +121,9 @@ class GridTextEnv(abc.ABC):
     """Convenience base: parsing, format penalty, step counting, truncation, end checks.
 
     Subclasses set ``actions``/``name``, and implement ``_reset_state``, ``_apply``,
-    ``render``, ``legend``, ``task`` and ``success``.
+    ``render``, ``legend``, ``task`` and ``success``. ``step`` reports ROLL's step
+    metrics in ``info["metrics"]``: ``action_is_valid``, ``action_is_effective`` (the
+    rendered state changed), ``success`` and ``format_penalty`` (the penalty applied).
     """
 
     actions: ClassVar[tuple[str, ...]]
@@ -135,6 +146,7 @@ class GridTextEnv(abc.ABC):
         self._seed: int | None = None
         self._steps = 0
         self._done = False
+        self._grid = ""  # the last rendered state: an action that changes it is effective
 
     # -- subclass hooks ------------------------------------------------------------
     @abc.abstractmethod
@@ -188,7 +200,8 @@ class GridTextEnv(abc.ABC):
         seed = check_seed(seed)
         self._reset_state(seed)
         self._seed, self._steps, self._done = seed, 0, False
-        obs = f"{self.instruction}\n{self.render()}"
+        self._grid = self.render()
+        obs = f"{self.instruction}\n{self._grid}"
         return obs, {"action_valid": True, "action": None, "success": self.success, "steps": 0}
 
     def step(self, action_text: str) -> StepResult:
@@ -212,15 +225,25 @@ class GridTextEnv(abc.ABC):
         if truncated:
             feedback += f" Out of steps ({self.config.max_steps})."
         self._done = terminated or truncated
+        grid, before = self.render(), self._grid
+        self._grid = grid
+        success = self.success
         info: Info = {
             "action_valid": action is not None,
             "action": action,
-            "success": self.success,
+            "success": success,
             "format_penalty_applied": action is None,
             "answer": answer,
             "steps": self._steps,
+            "metrics": {
+                "action_is_effective": grid != before,
+                "action_is_valid": action is not None,
+                "success": success,
+                "format_penalty": float(self.config.format_penalty) if action is None else 0.0,
+            },
+            "metrics_agg_mode": dict(GRID_METRICS_AGG_MODE),
         }
-        return f"{feedback}\n{self.render()}", float(reward), terminated, truncated, info
+        return f"{feedback}\n{grid}", float(reward), terminated, truncated, info
 
     def close(self) -> None:  # noqa: B027 - optional hook, deliberately a no-op
         """Nothing to release."""

@@ -7,7 +7,8 @@ arrives (optionally rounded up to a multiple), never to a global sequence length
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 from torchdata.nodes import BaseNode
@@ -22,11 +23,21 @@ from rollpipe.nodes.batch import TrajectoryBatch
 Level = Literal["trajectory", "step"]
 
 
+def merge_tag_drops(groups: Iterable[Group]) -> dict[str, dict[str, int]]:
+    """The groups' per-tag drop counts, summed (as ``Batch`` sums their ``drops``)."""
+    merged: dict[str, Counter[str]] = {}
+    for group in groups:
+        for tag, counts in group.tag_drops.items():
+            merged.setdefault(tag, Counter()).update(counts)
+    return {tag: dict(counts) for tag, counts in merged.items()}
+
+
 class Collate(BaseNode[DataProto]):
     """Turns a :class:`TrajectoryBatch`, a :class:`Group` or a list of trajectories into rows.
 
     ``level="trajectory"`` gives one row per trajectory; ``level="step"`` one row per
-    turn (GiGPO style). Metrics of the trajectories go to ``meta_info["metrics"]``.
+    turn (GiGPO style). Metrics of the trajectories, overall and per env tag, go to
+    ``meta_info["metrics"]``.
     """
 
     def __init__(
@@ -59,11 +70,16 @@ class Collate(BaseNode[DataProto]):
         if isinstance(item, TrajectoryBatch):
             trajectories = item.trajectories
             metrics = batch_metrics(
-                trajectories, item.drops, item.wall_time_s, item.stream_time_s, item.stream_tokens
+                trajectories,
+                item.drops,
+                item.wall_time_s,
+                item.stream_time_s,
+                item.stream_tokens,
+                tag_drops=merge_tag_drops(item.groups),
             )
         elif isinstance(item, Group):
             trajectories = list(item.trajectories)
-            metrics = batch_metrics(trajectories, item.drops)
+            metrics = batch_metrics(trajectories, item.drops, tag_drops=item.tag_drops)
         else:
             trajectories = list(item)
             metrics = batch_metrics(trajectories)

@@ -2,13 +2,17 @@
 
 Trajectories arrive in any order; a group is emitted only once ``group_size`` good
 members are in. With ``redundancy`` extra members running, the first ``group_size``
-finishers win and the rest are cancelled. A group that a filter rejects, that is too
-stale, or that errored beyond what redundancy covers is dropped, counted, and replaced
-by a request for a new group, so a filter cannot starve the trainer.
+finishers win and the rest are cancelled. A group that ``keep_group`` / ``drop_group``
+rejects, that is too stale, or that errored beyond what redundancy covers is dropped,
+counted (overall and per env tag), and replaced by a request for a new group, so a
+strict rule cannot starve the trainer.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -20,28 +24,116 @@ from rollpipe._utils.checks import check_int
 from rollpipe.agent.records import Group, Trajectory
 from rollpipe.nodes.signals import RolloutControl
 
-GroupFilter = Callable[[Group], bool]
-"""Returns True to keep a group."""
+GroupRule = Callable[[Group], bool]
+"""A predicate on a complete group; ``keep_group`` keeps it on True, ``drop_group`` drops it."""
 
 
-def drop_zero_variance(group: Group, eps: float = 1e-6) -> bool:
-    """Keep a group only if its episode scores differ (all-equal scores give GRPO no signal)."""
+def scores_differ(group: Group, eps: float = 1e-6) -> bool:
+    """True when the group's episode scores differ (std above ``eps``): GRPO has a signal."""
     scores = np.array([t.score for t in group.trajectories], dtype=np.float64)
     return bool(scores.std() > eps)
 
 
-FILTERS: dict[str, GroupFilter] = {"zero_variance": drop_zero_variance}
+def zero_variance(group: Group, eps: float = 1e-6) -> bool:
+    """True when every episode score is the same: GRPO's advantage is 0, nothing to learn."""
+    return not scores_differ(group, eps)
 
 
-def resolve_filter(filter: str | GroupFilter | None) -> GroupFilter | None:
-    """A filter given by name (see ``FILTERS``) or as a callable."""
+KEEP_RULES: dict[str, GroupRule] = {"scores_differ": scores_differ}
+"""Names ``keep_group`` accepts (True keeps)."""
+DROP_RULES: dict[str, GroupRule] = {"zero_variance": zero_variance}
+"""Names ``drop_group`` accepts (True drops, ROLL's ``GroupFilter.filter`` polarity)."""
+FILTERS: dict[str, GroupRule] = {"zero_variance": scores_differ}
+"""Deprecated: names of the old ``filter=`` (True keeps); ``"zero_variance"`` drops them."""
+
+_RULES = {
+    "keep_group": (KEEP_RULES, DROP_RULES, "drop_group"),
+    "drop_group": (DROP_RULES, KEEP_RULES, "keep_group"),
+}
+
+
+def _import_rule(path: str, field: str, names: dict[str, GroupRule]) -> Any:
+    module_name, sep, attr = path.partition(":")
+    if not sep:  # "package.module.function", as ROLL's class paths are written
+        module_name, _, attr = path.rpartition(".")
+    hint = (
+        f"give a registered name ({sorted(names)}), a callable Group -> bool, or an import "
+        "path 'package.module:function'"
+    )
+    if not module_name or not attr:
+        raise ValueError(f"{field}: unknown name {path!r}; {hint}")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except Exception as exc:  # not found, or the module failed to import
+        raise ValueError(
+            f"{field}: cannot import {path!r} ({type(exc).__name__}: {exc}); {hint}"
+        ) from exc
+    return obj
+
+
+def resolve_group_rule(value: str | GroupRule | None, field: str) -> GroupRule | None:
+    """``value`` (None, a callable, a registered name or an import path) as a callable.
+
+    ``field`` is ``"keep_group"`` or ``"drop_group"``, optionally prefixed by its owner
+    (``"PipelineConfig.drop_group"``); it picks the registered names and names the field
+    in errors.
+    """
+    polarity = field.rpartition(".")[2]
+    if polarity not in _RULES:
+        raise ValueError(f"field must end in 'keep_group' or 'drop_group', got {field!r}")
+    names, other_names, other = _RULES[polarity]
+    if value is None:
+        return None
+    where = repr(value) if isinstance(value, str) else getattr(value, "__qualname__", repr(value))
+    if isinstance(value, str):
+        if value in names:
+            return names[value]
+        if value in other_names:
+            raise ValueError(
+                f"{field}={value!r}: {value!r} is a {other} rule (True means "
+                f"{other.partition('_')[0]}); write {other}={value!r}, or use one of "
+                f"{sorted(names)} here"
+            )
+        value = _import_rule(value, field, names)
+    if inspect.isclass(value):
+        raise ValueError(
+            f"{field}: {where} is a class; give a function Group -> bool (a ROLL GroupFilter "
+            "class does not fit: wrap its filter() in a function)"
+        )
+    if not callable(value):
+        raise ValueError(f"{field}: {where} is not callable; give a function Group -> bool")
+    try:
+        inspect.signature(value).bind(None)
+    except TypeError:
+        raise ValueError(
+            f"{field}: {where} must take one argument, the Group, and return a bool"
+        ) from None
+    except ValueError:  # no signature to check (some builtins)
+        pass
+    return value
+
+
+def check_group_rule(inst: object, attribute: Any, value: object) -> None:
+    """attrs validator for config fields named ``keep_group`` / ``drop_group``."""
+    resolve_group_rule(value, f"{type(inst).__name__}.{attribute.name}")  # type: ignore[arg-type]
+
+
+def resolve_filter(filter: str | GroupRule | None) -> GroupRule | None:
+    """Deprecated ``filter=`` (True keeps): a name in ``FILTERS`` or a callable."""
     if filter is None or callable(filter):
         return filter
     if filter not in FILTERS:
         raise ValueError(
-            f"filter: unknown name {filter!r}; use one of {sorted(FILTERS)} or a callable"
+            f"filter: unknown name {filter!r}; use one of {sorted(FILTERS)} or a callable "
+            "(filter= is deprecated: use drop_group= or keep_group=)"
         )
     return FILTERS[filter]
+
+
+def _describe(rule: Any) -> str:
+    return repr(getattr(rule, "__name__", rule))
 
 
 class GroupAssembler(BaseNode[Group]):
@@ -51,20 +143,28 @@ class GroupAssembler(BaseNode[Group]):
         source: node yielding :class:`Trajectory`.
         group_size: members a group needs.
         redundancy: extra members started per group (errors up to this many are covered).
-        filter: ``"zero_variance"`` or a callable ``Group -> bool`` (True keeps).
+        keep_group: keep a complete group only when this says True: a callable
+            ``Group -> bool``, a name in ``KEEP_RULES`` (``"scores_differ"``) or an
+            import path ``"package.module:function"``.
+        drop_group: drop a complete group when this says True (ROLL's ``filter()``
+            polarity): a callable, a name in ``DROP_RULES`` (``"zero_variance"``) or an
+            import path. Both may be given: a group must pass both.
+        filter: deprecated alias of ``keep_group`` (``"zero_variance"`` here meant
+            ``drop_group="zero_variance"``); warns.
         max_staleness: drop a group whose oldest token is more than this many policy
             versions behind ``current_version()``.
         current_version: the trainer's current policy version (usually ``engine.version``).
         control: shared control; cancels redundant members and requests replacements.
         max_drops_in_a_row: groups dropped one after another, with none kept, before
-            ``next()`` gives up with an error naming the reasons (a filter that rejects
+            ``next()`` gives up with an error naming the reasons (a rule that rejects
             everything the policy produces would otherwise request replacements forever).
 
     Each yielded group carries ``drops``: the counts of what was dropped since the
     previous yielded group (``filtered``, ``stale``, ``errored``, ``empty`` groups;
     ``errored_trajectories`` (the env raised) and ``empty_trajectories`` (the first prompt
     exceeded ``max_length``, so no turn ran); ``redundant`` late members; ``incomplete``
-    groups at the end of the stream).
+    groups at the end of the stream), and ``tag_drops``: the same counts split by the
+    env tag of what was dropped.
     """
 
     def __init__(
@@ -73,7 +173,9 @@ class GroupAssembler(BaseNode[Group]):
         group_size: int,
         *,
         redundancy: int = 0,
-        filter: str | GroupFilter | None = None,
+        keep_group: str | GroupRule | None = None,
+        drop_group: str | GroupRule | None = None,
+        filter: str | GroupRule | None = None,
         max_staleness: int | None = None,
         current_version: Callable[[], int] | None = None,
         control: RolloutControl | None = None,
@@ -90,10 +192,24 @@ class GroupAssembler(BaseNode[Group]):
                     "GroupAssembler: max_staleness needs current_version "
                     "(e.g. current_version=lambda: engine.version)"
                 )
+        self.keep_group = resolve_group_rule(keep_group, "GroupAssembler.keep_group")
+        self.drop_group = resolve_group_rule(drop_group, "GroupAssembler.drop_group")
+        if filter is not None:
+            if self.keep_group is not None:
+                raise ValueError(
+                    "GroupAssembler: filter= is the deprecated name of keep_group=; give one"
+                )
+            warnings.warn(
+                "GroupAssembler(filter=...) is deprecated: its True keeps a group, the "
+                "opposite of ROLL's filter(). Use keep_group= (True keeps) or drop_group= "
+                "(True drops; drop_group='zero_variance' replaces filter='zero_variance')",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            self.keep_group = resolve_filter(filter)
         self.source = source
         self.group_size = group_size
         self.redundancy = redundancy
-        self.filter = resolve_filter(filter)
         self.max_staleness = max_staleness
         self.current_version = current_version
         self.control = control
@@ -105,8 +221,10 @@ class GroupAssembler(BaseNode[Group]):
         self._errors: Counter[int] = Counter()
         self._closed: set[int] = set()
         self._drops: Counter[str] = Counter()
+        self._tag_drops: dict[str, Counter[str]] = {}
         self._group_drops: Counter[str] = Counter()  # groups dropped since one was kept
         self.total_drops: Counter[str] = Counter()  # since the last reset; for progress displays
+        self.total_tag_drops: dict[str, Counter[str]] = {}  # the same, by env tag
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -122,6 +240,8 @@ class GroupAssembler(BaseNode[Group]):
         self._errors = Counter({int(g): n for g, n in initial_state["errors"].items()})
         self._closed = set(initial_state["closed"])
         self._drops = Counter(initial_state["drops"])
+        tag_drops = initial_state.get("tag_drops", {})
+        self._tag_drops = {tag: Counter(counts) for tag, counts in tag_drops.items()}
 
     def get_state(self) -> dict[str, Any]:
         return {
@@ -130,9 +250,10 @@ class GroupAssembler(BaseNode[Group]):
             "errors": dict(self._errors),
             "closed": sorted(self._closed),
             "drops": dict(self._drops),
+            "tag_drops": {tag: dict(counts) for tag, counts in self._tag_drops.items()},
         }
 
-    def _close(self, group_id: int, drop_reason: str | None) -> None:
+    def _close(self, group_id: int, drop_reason: str | None, tag: str) -> None:
         """No more members of this group are wanted; replace it if it was dropped."""
         self._closed.add(group_id)
         self._members.pop(group_id, None)
@@ -143,15 +264,16 @@ class GroupAssembler(BaseNode[Group]):
             if drop_reason is not None:
                 self.control.request_groups(1)
         if drop_reason is not None:
-            self._drop(drop_reason)
+            self._drop(drop_reason, tag)
             self._group_drops[drop_reason] += 1
             if sum(self._group_drops.values()) >= self.max_drops_in_a_row:
                 raise RuntimeError(
                     f"GroupAssembler: {sum(self._group_drops.values())} groups in a row were "
-                    f"dropped and none kept ({dict(self._group_drops)}); with filter "
-                    f"{getattr(self.filter, '__name__', self.filter)!r} and max_staleness "
-                    f"{self.max_staleness!r} nothing this policy produces is usable. Loosen "
-                    "the filter or max_staleness, fix the env, or raise max_drops_in_a_row"
+                    f"dropped and none kept ({dict(self._group_drops)}); with keep_group="
+                    f"{_describe(self.keep_group)}, drop_group={_describe(self.drop_group)} "
+                    f"and max_staleness={self.max_staleness!r} nothing this policy produces "
+                    "is usable. Loosen the rules or max_staleness, fix the env, or raise "
+                    "max_drops_in_a_row"
                 )
 
     @property
@@ -159,9 +281,16 @@ class GroupAssembler(BaseNode[Group]):
         """Drops not yet reported on a yielded group (those after the last one)."""
         return dict(self._drops)
 
-    def _drop(self, reason: str, n: int = 1) -> None:
+    @property
+    def pending_tag_drops(self) -> dict[str, dict[str, int]]:
+        """``pending_drops`` split by env tag."""
+        return {tag: dict(counts) for tag, counts in self._tag_drops.items()}
+
+    def _drop(self, reason: str, tag: str, n: int = 1) -> None:
         self._drops[reason] += n
+        self._tag_drops.setdefault(tag, Counter())[reason] += n
         self.total_drops[reason] += n
+        self.total_tag_drops.setdefault(tag, Counter())[reason] += n
 
     def _is_stale(self, group: Group) -> bool:
         if self.max_staleness is None or self.current_version is None:
@@ -169,18 +298,23 @@ class GroupAssembler(BaseNode[Group]):
         oldest = group.min_version  # -1: no token generated, nothing to be stale
         return oldest >= 0 and self.current_version() - oldest > self.max_staleness
 
+    def _rejected(self, group: Group) -> bool:
+        if self.keep_group is not None and not self.keep_group(group):
+            return True
+        return self.drop_group is not None and bool(self.drop_group(group))
+
     def _add(self, traj: Trajectory) -> Group | None:
-        gid = traj.group_id
+        gid, tag = traj.group_id, traj.tag
         if gid in self._closed:
-            self._drop("redundant")
+            self._drop("redundant", tag)
             return None
         if traj.end_reason == "error" or not traj.turns:
             # an env error, or no turn at all (first prompt over max_length): no row to train on
             failure = "errored" if traj.end_reason == "error" else "empty"
-            self._drop(f"{failure}_trajectories")
+            self._drop(f"{failure}_trajectories", tag)
             self._errors[gid] += 1
             if self._errors[gid] > self.redundancy:
-                self._close(gid, failure)
+                self._close(gid, failure, tag)
             return None
         members = self._members.setdefault(gid, [])
         members.append(traj)
@@ -188,24 +322,26 @@ class GroupAssembler(BaseNode[Group]):
             return None
         group = Group(group_id=gid, trajectories=tuple(members))
         if self._is_stale(group):
-            self._close(gid, "stale")
+            self._close(gid, "stale", tag)
             return None
-        if self.filter is not None and not self.filter(group):
-            self._close(gid, "filtered")
+        if self._rejected(group):
+            self._close(gid, "filtered", tag)
             return None
-        self._close(gid, None)
+        self._close(gid, None, tag)
         self._group_drops.clear()
         drops, self._drops = dict(self._drops), Counter()
-        return Group(group_id=gid, trajectories=group.trajectories, drops=drops)
+        tag_drops = {t: dict(counts) for t, counts in self._tag_drops.items()}
+        self._tag_drops = {}
+        return Group(gid, group.trajectories, drops=drops, tag_drops=tag_drops)
 
     def next(self) -> Group:
         while True:
             try:
                 traj = next(self.source)
             except StopIteration:
-                if self._members:
-                    self._drop("incomplete", len(self._members))
-                    self._members.clear()
+                for members in self._members.values():
+                    self._drop("incomplete", members[0].tag)
+                self._members.clear()
                 raise
             group = self._add(traj)
             if group is not None:
