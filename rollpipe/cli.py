@@ -159,7 +159,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
             task,
             advance=1,
             tokens_per_s=generated[0] / elapsed,
-            filtered=sum(pipe.nodes.groups.total_drops.values()),
+            filtered=sum(
+                n for kind, n in pipe.nodes.groups.total_drops.items() if kind != "wasted_tokens"
+            ),
         )
         return traj
 

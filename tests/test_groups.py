@@ -132,6 +132,11 @@ def _succeeded_first(trajs, gid, group_size, redundancy):
     return False
 
 
+def generated(trajectories) -> int:
+    """Tokens the engine generated for ``trajectories``: wasted when they are dropped."""
+    return sum(t.num_generated_tokens for t in trajectories)
+
+
 def test_zero_variance_drop_rule_drops_and_requests_replacements():
     scores = [[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]]
     trajs = arrivals(3, 2, list(range(6)), scores=scores, tags=["a", "b", "c"])
@@ -139,11 +144,13 @@ def test_zero_variance_drop_rule_drops_and_requests_replacements():
     node = GroupAssembler(IterableWrapper(trajs), 2, drop_group="zero_variance", control=control)
     groups = list(node)
     assert [g.group_id for g in groups] == [1]
-    assert groups[0].drops == {"filtered": 1}
-    assert groups[0].tag_drops == {"a": {"filtered": 1}}
-    assert node.pending_drops["filtered"] == 1  # group 2, after the last emitted group
-    assert node.pending_tag_drops == {"c": {"filtered": 1}}
-    assert node.total_tag_drops == {"a": {"filtered": 1}, "c": {"filtered": 1}}
+    dropped_a = {"filtered": 1, "wasted_tokens": generated(trajs[:2])}
+    dropped_c = {"filtered": 1, "wasted_tokens": generated(trajs[4:])}
+    assert groups[0].drops == dropped_a
+    assert groups[0].tag_drops == {"a": dropped_a}
+    assert node.pending_drops == dropped_c  # group 2, after the last emitted group
+    assert node.pending_tag_drops == {"c": dropped_c}
+    assert node.total_tag_drops == {"a": dropped_a, "c": dropped_c}
     assert control.replacements_pending == 2
     equal = Group(group_id=0, trajectories=trajs[:2])
     assert zero_variance(equal) and not scores_differ(equal)
@@ -291,8 +298,9 @@ def test_stale_groups_are_dropped():
     )
     groups = list(node)
     assert [g.group_id for g in groups] == [1]
-    assert groups[0].drops == {"stale": 1}
-    assert groups[0].tag_drops == {"frozenlake": {"stale": 1}}  # no tag: the env name
+    stale = {"stale": 1, "wasted_tokens": generated(old)}
+    assert groups[0].drops == stale
+    assert groups[0].tag_drops == {"frozenlake": stale}  # no tag: the env name
 
 
 def test_redundant_members_are_cancelled_through_control():
@@ -345,5 +353,9 @@ def test_trajectories_without_turns_fail_their_group():
     control = RolloutControl()
     groups = list(GroupAssembler(IterableWrapper(trajs), 2, control=control))
     assert [g.group_id for g in groups] == [1]
-    assert groups[0].drops == {"empty_trajectories": 1, "empty": 1}
+    assert groups[0].drops == {
+        "empty_trajectories": 1,
+        "empty": 1,
+        "wasted_tokens": generated(trajs[:1]),  # the good member of the failed group
+    }
     assert control.replacements_pending == 1

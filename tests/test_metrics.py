@@ -201,10 +201,17 @@ def test_collate_reports_the_drops_of_every_group_in_the_batch_per_tag() -> None
     ]  # groups 0 and 2 have no score variance
     groups = GroupAssembler(IterableWrapper(trajs), 2, drop_group="zero_variance")
     (batch,) = list(Batch(groups, 4))
-    assert merge_tag_drops(batch.groups) == {"a": {"filtered": 1}, "b": {"filtered": 1}}
+    wasted = {
+        tag: sum(t.num_generated_tokens for t in trajs if t.group_id == g)
+        for g, tag in ((0, "a"), (2, "b"))
+    }
+    assert merge_tag_drops(batch.groups) == {
+        tag: {"filtered": 1, "wasted_tokens": wasted[tag]} for tag in ("a", "b")
+    }
     proto = Collate(IterableWrapper([batch]), pad_token_id=0).collate(batch)
     m: dict[str, Any] = proto.meta_info["metrics"]
     assert m["dropped/filtered"] == 2.0
+    assert m["dropped/wasted_tokens"] == float(sum(wasted.values()))
     assert m["env/a/dropped/filtered"] == 1.0 and m["env/b/dropped/filtered"] == 1.0
     assert m["env/a/trajectories"] == m["env/b/trajectories"] == 2.0
     assert m["env/a/success"] == m["env/b/success"] == 0.5

@@ -50,6 +50,7 @@ def test_default_batches_hold_only_the_current_policy(vllm_engine, tokenizer, ti
             assert batch is not None and len(batch) == 8
             assert response_versions(batch) == {version}
             assert batch.meta_info["global_step"] == step
+            assert batch.meta_info["metrics"]["dropped/wasted_tokens"] == 0  # nothing stale
             # nothing runs ahead: the source issued exactly the groups granted so far
             assert pipe.nodes.source._group == 2 * (step + 1)
     finally:

@@ -245,7 +245,11 @@ def test_pending_drops_per_tag_survive_a_checkpoint(after: int) -> None:
         return GroupAssembler(IterableWrapper(trajs), 2, drop_group="zero_variance")
 
     full = next(node())
-    assert full.tag_drops == {"a": {"filtered": 2}, "b": {"filtered": 1}}
+    wasted = {tag: sum(t.num_generated_tokens for t in trajs[:6] if t.tag == tag) for tag in "ab"}
+    assert full.tag_drops == {
+        "a": {"filtered": 2, "wasted_tokens": wasted["a"]},
+        "b": {"filtered": 1, "wasted_tokens": wasted["b"]},
+    }
     first = node()
     first.reset()
     source = first.source

@@ -26,6 +26,7 @@ DROP_KINDS = (
     "empty_trajectories",
     "redundant",
     "incomplete",
+    "wasted_tokens",  # generated tokens of the trajectories dropped above
 )
 
 

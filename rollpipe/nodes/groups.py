@@ -163,8 +163,8 @@ class GroupAssembler(BaseNode[Group]):
     previous yielded group (``filtered``, ``stale``, ``errored``, ``empty`` groups;
     ``errored_trajectories`` (the env raised) and ``empty_trajectories`` (the first prompt
     exceeded ``max_length``, so no turn ran); ``redundant`` late members; ``incomplete``
-    groups at the end of the stream), and ``tag_drops``: the same counts split by the
-    env tag of what was dropped.
+    groups at the end of the stream; ``wasted_tokens``, the generated tokens of everything
+    dropped), and ``tag_drops``: the same counts split by the env tag of what was dropped.
     """
 
     def __init__(
@@ -256,8 +256,10 @@ class GroupAssembler(BaseNode[Group]):
     def _close(self, group_id: int, drop_reason: str | None, tag: str) -> None:
         """No more members of this group are wanted; replace it if it was dropped."""
         self._closed.add(group_id)
-        self._members.pop(group_id, None)
+        members = self._members.pop(group_id, [])
         self._errors.pop(group_id, None)
+        if drop_reason is not None:
+            self._waste(members, tag)
         if self.control is not None:
             if self.redundancy or drop_reason is not None:
                 self.control.cancel_group(group_id)
@@ -292,6 +294,12 @@ class GroupAssembler(BaseNode[Group]):
         self.total_drops[reason] += n
         self.total_tag_drops.setdefault(tag, Counter())[reason] += n
 
+    def _waste(self, trajectories: list[Trajectory], tag: str) -> None:
+        """Count the generated tokens of dropped trajectories (``dropped/wasted_tokens``)."""
+        tokens = sum(t.num_generated_tokens for t in trajectories)
+        if tokens:
+            self._drop("wasted_tokens", tag, tokens)
+
     def _is_stale(self, group: Group) -> bool:
         if self.max_staleness is None or self.current_version is None:
             return False
@@ -307,11 +315,13 @@ class GroupAssembler(BaseNode[Group]):
         gid, tag = traj.group_id, traj.tag
         if gid in self._closed:
             self._drop("redundant", tag)
+            self._waste([traj], tag)
             return None
         if traj.end_reason == "error" or not traj.turns:
             # an env error, or no turn at all (first prompt over max_length): no row to train on
             failure = "errored" if traj.end_reason == "error" else "empty"
             self._drop(f"{failure}_trajectories", tag)
+            self._waste([traj], tag)
             self._errors[gid] += 1
             if self._errors[gid] > self.redundancy:
                 self._close(gid, failure, tag)
@@ -341,6 +351,7 @@ class GroupAssembler(BaseNode[Group]):
             except StopIteration:
                 for members in self._members.values():
                     self._drop("incomplete", members[0].tag)
+                    self._waste(members, members[0].tag)
                 self._members.clear()
                 raise
             group = self._add(traj)
