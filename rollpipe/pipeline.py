@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
+from operator import methodcaller
 from typing import Any, Literal
 
 import attrs
-from torchdata.nodes import BaseNode, Loader
+from torchdata.nodes import BaseNode, Loader, Mapper
 
 from rollpipe.agent.chat import ChatFormat
 from rollpipe.config import PipelineConfig
@@ -121,7 +122,10 @@ def build_nodes(
         pad_to_multiple_of=config.pad_to_multiple_of,
         level=config.level,
     )
-    root: Pausable[DataProto] = Pausable(hooked("collate", collate), pause_controller)
+    rows: BaseNode[Any] = hooked("collate", collate)
+    if config.layout != "native":  # ROLL's or verl's layout, converted once per batch
+        rows = Mapper(rows, methodcaller(f"to_{config.layout}"))
+    root: Pausable[DataProto] = Pausable(rows, pause_controller)
     return PipelineNodes(signals, pause_controller, source, rollout, groups, batch, collate, root)
 
 

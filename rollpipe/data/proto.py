@@ -42,6 +42,7 @@ from rollpipe.data.indexing import (
     repeat_counts,
 )
 from rollpipe.data.meta import merge_meta_info
+from rollpipe.data.persist import load_checked, pickled_state
 from rollpipe.data.tensordicts import join_tensordict, split_tensordict
 
 __all__ = ["DataProto"]
@@ -368,18 +369,9 @@ class DataProto:
         )
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle the tensors as one consolidated buffer (one storage, copied once)."""
-        batch = self.batch.consolidate() if self.batch is not None else None
-        return {
-            "batch": batch,
-            "non_tensor_batch": self.non_tensor_batch,
-            "meta_info": self.meta_info,
-        }
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.batch = state["batch"]
-        self.non_tensor_batch = state["non_tensor_batch"]
-        self.meta_info = state["meta_info"]
+        """Pickle the tensors as one consolidated buffer (one storage, copied once); the
+        default unpickling restores the three attributes from it."""
+        return pickled_state(self.batch, self.non_tensor_batch, self.meta_info)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write to ``path`` (``torch.save`` of the consolidated DataProto)."""
@@ -390,7 +382,17 @@ class DataProto:
         cls, path: str | os.PathLike[str], map_location: torch.device | str | None = None
     ) -> DataProto:
         """Read a DataProto written by ``save``."""
-        obj = torch.load(path, map_location=map_location, weights_only=False)
-        if not isinstance(obj, DataProto):
-            raise ValueError(f"{os.fspath(path)!r} holds a {type(obj).__name__}, not a DataProto")
-        return obj
+        return load_checked(path, map_location, DataProto)
+
+    # ----------------------------------------------------------------- ROLL and verl layouts
+    def to_roll(self, **options: Any) -> DataProto:
+        """These rows in ROLL's agentic layout (``rollpipe.data.roll_layout.to_roll``)."""
+        from rollpipe.data.roll_layout import to_roll
+
+        return to_roll(self, **options)
+
+    def to_verl(self, **options: Any) -> Any:
+        """These rows as verl's agent loop batch (``rollpipe.data.verl_layout.to_verl``)."""
+        from rollpipe.data.verl_layout import to_verl
+
+        return to_verl(self, **options)

@@ -28,7 +28,9 @@ state_hash         int64    ``[B]`` step rows only: hash of (group id, observati
 
 Non-tensor fields (1-D object arrays): ``step_scores`` (trajectory rows: the list of
 turn rewards; step rows: the turn's reward), ``tags``, ``end_reasons``, ``uid`` (the
-readable group id, verl's GRPO grouping key) and ``traj_uid`` (readable trajectory id).
+readable group id, verl's GRPO grouping key) and ``traj_uid`` (readable trajectory id);
+step rows also carry ``observations`` (the text each turn answered; ROLL's ``state_hash``
+is a sha256 of it, see ``rollpipe.data.roll_layout``).
 """
 
 from __future__ import annotations
@@ -270,6 +272,7 @@ def step_rows(
     rows = _Rows()
     steps: list[int] = []
     hashes: list[int] = []
+    observations: list[str] = []
     rewards: list[float] = []
     for t, start in zip(trajs, stream.starts, strict=True):
         offset = 0  # where this turn's prompt starts, from the trajectory's start
@@ -282,6 +285,7 @@ def step_rows(
             offset += prompt + response
             steps.append(i)
             hashes.append(state_hash(t.group_id, u.observation))
+            observations.append(u.observation)
             rewards.append(u.reward)
     counts = [len(t.turns) for t in trajs]
     tensors = rows.tensors(stream, pad_token_id, padding_side, pad_to_multiple_of)
@@ -289,6 +293,7 @@ def step_rows(
     tensors["step"] = torch.tensor(steps, dtype=torch.int64)
     tensors["state_hash"] = torch.tensor(hashes, dtype=torch.int64)
     non_tensors = _label_columns(trajs, counts, rewards)
+    non_tensors["observations"] = object_array(observations)
     return DataProto.from_dict(
         tensors=tensors, non_tensors=non_tensors, meta_info=dict(meta_info or {})
     )
