@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Any, ClassVar
 
+import psutil
 import pytest
 from torchdata.nodes import BaseNode, Loader
 
@@ -86,17 +87,25 @@ class Waiter:
         return self.error
 
 
-def threads_now() -> set[threading.Thread]:
-    return set(threading.enumerate())
+def child_processes() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
-def assert_back_to(baseline: set[threading.Thread], timeout: float = 5.0) -> None:
-    """Every thread started since ``baseline`` ends (joined, not polled)."""
+def threads_now() -> tuple[set[threading.Thread], set[int]]:
+    """The baseline: this process's threads and child processes."""
+    return set(threading.enumerate()), child_processes()
+
+
+def assert_back_to(baseline: tuple[set[threading.Thread], set[int]], timeout: float = 5) -> None:
+    """Every thread started since ``baseline`` ends (joined, not polled), and no new child
+    process is left behind."""
+    threads, children = baseline
     deadline = time.monotonic() + timeout
-    for thread in threads_now() - baseline:
+    for thread in set(threading.enumerate()) - threads:
         thread.join(max(0.0, deadline - time.monotonic()))
-    left = [t.name for t in threads_now() - baseline]
+    left = [t.name for t in set(threading.enumerate()) - threads]
     assert left == [], f"threads left behind: {left}"
+    assert child_processes() <= children, "child processes left behind"
 
 
 def timed_close(pipe: RolloutPipeline) -> float:
