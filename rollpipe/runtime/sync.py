@@ -51,6 +51,21 @@ def _wake(waiters: list[_Waiter], error: BaseException | None) -> None:
                 loop.call_soon_threadsafe(_resolve, future, error)
 
 
+def _add_waiter(waiters: list[_Waiter]) -> _Waiter:
+    """A future on the running loop, listed in ``waiters`` (call under the owner's lock)."""
+    loop = asyncio.get_running_loop()
+    waiter = (loop, loop.create_future())
+    waiters.append(waiter)
+    return waiter
+
+
+def _forget(waiter: _Waiter, waiters: list[_Waiter]) -> None:
+    """Unlist a waiter that was cancelled before it was woken (under the owner's lock)."""
+    if not waiter[1].done():
+        with contextlib.suppress(ValueError):
+            waiters.remove(waiter)
+
+
 class Gate:
     """Open or closed; ``fail(error)`` releases every waiter, now and later, with ``error``.
 
@@ -112,15 +127,12 @@ class Gate:
                 raise fresh_error(self._error)
             if self._open:
                 return
-            loop = asyncio.get_running_loop()
-            waiter = (loop, loop.create_future())
-            self._waiters.append(waiter)
+            waiter = _add_waiter(self._waiters)
         try:
             await waiter[1]
         finally:
-            if not waiter[1].done():  # cancelled: forget the waiter
-                with self._cond, contextlib.suppress(ValueError):
-                    self._waiters.remove(waiter)
+            with self._cond:
+                _forget(waiter, self._waiters)
 
 
 class Signal:
@@ -147,14 +159,10 @@ class Signal:
             if self._pending:
                 self._pending = False
                 return
-            loop = asyncio.get_running_loop()
-            waiter = (loop, loop.create_future())
-            self._waiters.append(waiter)
+            waiter = _add_waiter(self._waiters)
         try:
             await waiter[1]
         finally:
             with self._lock:
                 self._pending = False
-                if not waiter[1].done():
-                    with contextlib.suppress(ValueError):
-                        self._waiters.remove(waiter)
+                _forget(waiter, self._waiters)
