@@ -45,6 +45,11 @@ def _envs(value: Any) -> tuple[EnvChoice, ...]:
     return choices
 
 
+def _minus_one_is_none(value: Any) -> Any:
+    """ROLL writes "no limit" as -1."""
+    return None if isinstance(value, int) and not isinstance(value, bool) and value == -1 else value
+
+
 def _count_or_none(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
     if value is not None:
         check_int(f"PipelineConfig.{attr.name} (or None)", value, 0)
@@ -58,8 +63,8 @@ class PipelineConfig:
     weight (YAML: ``[{name: sokoban, weight: 1, config: {dim_room: [6, 6]}}]``).
     ``batch_size`` counts trajectories and must be a multiple of ``group_size``.
     ``num_groups=None`` runs forever. ``in_order=None`` (auto) yields trajectories in
-    admission order — reproducible — unless ``redundancy`` is set, where completion
-    order lets the first finishers of a group win.
+    admission order — reproducible — unless ``redundancy`` or ``max_traj_per_env`` is
+    set, where completion order lets the first finishers win.
 
     ``async_generation_ratio`` (ROLL's name and default, 0) bounds how far generation
     runs ahead of the trainer: each ``get_batch`` lets the source start that batch's
@@ -67,6 +72,14 @@ class PipelineConfig:
     oldest token is more than ``ratio`` policy versions old is dropped (and replaced).
     0 is on-policy: a batch holds only tokens of the current weights. ``None`` lets
     collection run ahead freely (up to the rollout's buffer), with no staleness bound.
+
+    ``max_traj_per_env`` (ROLL's name; ``None`` or ROLL's ``-1``: just one batch) sets
+    how many trajectories each step starts per env slot, rollpipe's env slots being its
+    ``concurrency`` parallel episodes (ROLL's ``num_env_groups * group_size`` envs):
+    each ``get_batch`` then grants ``ceil(max_traj_per_env * concurrency / group_size)``
+    groups, at least one batch. The first to finish fill the batch (completion order
+    unless ``in_order`` says otherwise); a granted group not started within
+    ``async_generation_ratio`` steps expires (``dropped/expired``), as in ROLL.
 
     ``layout``: ``"native"`` rows (``rollpipe.data.rows``), ``"roll"`` (ROLL's agentic
     field names, dtypes and placement: ``DataProto.to_roll()``) or ``"verl"`` (a real
@@ -98,6 +111,9 @@ class PipelineConfig:
     keep_group: str | GroupRule | None = attrs.field(default=None, validator=check_group_rule)
     drop_group: str | GroupRule | None = attrs.field(default=None, validator=check_group_rule)
     async_generation_ratio: int | None = attrs.field(default=0, validator=_count_or_none)
+    max_traj_per_env: int | None = attrs.field(
+        default=None, converter=_minus_one_is_none, validator=optional(int_at_least(1))
+    )
     max_drops_in_a_row: int = attrs.field(default=1000, validator=int_at_least(1))
     in_order: bool | None = None
     raise_env_errors: bool = False
@@ -119,11 +135,40 @@ class PipelineConfig:
                 f"PipelineConfig.batch_size={self.batch_size} is not a multiple of "
                 f"group_size={self.group_size}; batches hold whole groups"
             )
+        if self.max_traj_per_env is not None:
+            if self.async_generation_ratio is None:
+                raise ValueError(
+                    "PipelineConfig.max_traj_per_env needs async_generation_ratio (an int): "
+                    "with None collection is not metered per step"
+                )
+            if self.max_traj_per_env * self.concurrency < self.batch_size:
+                raise ValueError(
+                    f"PipelineConfig.max_traj_per_env={self.max_traj_per_env} x "
+                    f"concurrency={self.concurrency} starts fewer trajectories per step "
+                    f"than batch_size={self.batch_size}; raise max_traj_per_env to at least "
+                    f"{math.ceil(self.batch_size / self.concurrency)} (or -1: one batch)"
+                )
         if self.level == "step" and self.history_window is None:
             raise ValueError(
                 "PipelineConfig.level='step' needs history_window (e.g. 2): step rows "
                 "show a bounded window of recent turns"
             )
+
+    @property
+    def groups_per_step(self) -> int:
+        """Groups each ``get_batch`` lets the source start (see ``max_traj_per_env``)."""
+        per_batch = self.batch_size // self.group_size
+        if self.max_traj_per_env is None:
+            return per_batch
+        return max(per_batch, math.ceil(self.max_traj_per_env * self.concurrency / self.group_size))
+
+    @property
+    def admission_order(self) -> bool:
+        """``in_order`` resolved: admission order unless first finishers should win
+        (``redundancy`` or ``max_traj_per_env`` start more than a batch needs)."""
+        if self.in_order is not None:
+            return self.in_order
+        return self.redundancy == 0 and self.max_traj_per_env is None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PipelineConfig:

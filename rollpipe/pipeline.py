@@ -10,6 +10,7 @@ ROLL's ``get_batch`` / ``suspend`` / ``resume`` and checkpointing.
 from __future__ import annotations
 
 import contextlib
+import numbers
 from collections.abc import Callable, Iterator, Mapping
 from operator import methodcaller
 from typing import Any, Literal
@@ -85,6 +86,7 @@ def build_nodes(
         redundancy=config.redundancy,
         control=signals,
         metered=config.async_generation_ratio is not None,
+        expire_after=config.async_generation_ratio,
     )
     rollout = Rollout(
         hooked("source", source),
@@ -95,7 +97,7 @@ def build_nodes(
         max_length=config.max_length,
         concurrency=config.concurrency,
         env_workers=config.env_workers,
-        in_order=config.redundancy == 0 if config.in_order is None else config.in_order,
+        in_order=config.admission_order,
         control=signals,
         raise_env_errors=config.raise_env_errors,
         on_length=config.on_length,
@@ -129,6 +131,18 @@ def build_nodes(
     return PipelineNodes(signals, pause_controller, source, rollout, groups, batch, collate, root)
 
 
+def _global_step(data: DataProto | None) -> int | None:
+    """ROLL's ``data.meta_info["global_step"]``, checked; None when not given."""
+    if data is None or "global_step" not in data.meta_info:
+        return None
+    step = data.meta_info["global_step"]
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        raise ValueError(
+            f"get_batch: data.meta_info['global_step'] must be an int >= 0, got {step!r}"
+        )
+    return int(step)
+
+
 class RolloutPipeline:
     """Iterate it for ``DataProto`` batches; drive it like ROLL's RolloutScheduler.
 
@@ -157,6 +171,8 @@ class RolloutPipeline:
         self._loader = Loader(self.nodes.root, restart_on_stop_iteration=False)
         self._iter: Iterator[DataProto] | None = None
         self._batches_granted = 0  # get_batch calls that granted groups (metered source)
+        self._step = -1  # the training step of the last grant (ROLL's global_step)
+        self._expired_seen = 0  # source.expired_groups already reported in a batch
         self._exhausted = False  # the stream ended: the next get_batch(-1) starts afresh
         self._closed = False
 
@@ -173,27 +189,48 @@ class RolloutPipeline:
 
     def __next__(self) -> DataProto:
         stream = self._iterator()  # (re)started before the grant, which it must not lose
-        self._grant(self.config.batch_size)
-        return next(stream)
+        self._grant(self.config.batch_size, self._step + 1)
+        return self._with_expired(next(stream))
 
-    def _grant(self, size: int) -> None:
-        """Let the source start the groups of one batch of ``size`` trajectories (and, at
-        the first batch, ``async_generation_ratio`` batches ahead)."""
+    def _grant(self, size: int, step: int) -> None:
+        """Let the source start the groups of training ``step``: one batch of ``size``
+        trajectories, or ``config.max_traj_per_env``'s worth if more (and, at the first
+        batch, ``async_generation_ratio`` steps ahead)."""
+        if step < self._step:
+            raise ValueError(
+                f"get_batch: global_step={step} is behind the previous step {self._step}; "
+                "steps must not go back (build a new pipeline to start over)"
+            )
+        self._step = step
         ratio = self.config.async_generation_ratio
         if ratio is None:
             return
-        per_batch = self.config.batch_size // self.config.group_size
-        whole_source = self.config.num_groups or 0
-        groups = whole_source if size == -1 else size // self.config.group_size
+        per_step = self.config.groups_per_step
+        if size == -1:
+            groups = self.config.num_groups or 0
+        elif self.config.max_traj_per_env is None:
+            groups = size // self.config.group_size
+        else:
+            groups = max(size // self.config.group_size, per_step)
         if self._batches_granted == 0:
-            groups += ratio * per_batch
+            groups += ratio * per_step
         self._batches_granted += 1
-        self.nodes.signals.grant_groups(groups)
+        self.nodes.signals.grant_groups(groups, step)
+
+    def _with_expired(self, batch: DataProto) -> DataProto:
+        """Report the granted groups that expired unstarted since the last batch."""
+        expired = self.nodes.source.expired_groups
+        batch.meta_info.setdefault("metrics", {})["dropped/expired"] = float(
+            expired - self._expired_seen
+        )
+        self._expired_seen = expired
+        return batch
 
     def _fresh_pass(self) -> None:
         """Start the stream again from its first episode (a new validation pass)."""
         self.nodes.signals.load_state(None)
         self._batches_granted = 0
+        self._step, self._expired_seen = -1, 0
         self._iter = None
         self._exhausted = False
 
@@ -227,6 +264,7 @@ class RolloutPipeline:
             )
         if size == -1 and self.config.num_groups is None:
             raise ValueError("get_batch(-1) drains a finite source; set num_groups in the config")
+        step = _global_step(data)
         if size == -1 and self._exhausted:
             self._fresh_pass()
         controller = self.nodes.pause_controller
@@ -235,7 +273,7 @@ class RolloutPipeline:
         elif not controller.is_suspended and self.engine.is_paused:
             self.engine.resume()  # paused by another pipeline sharing the engine
         stream = self._iterator()  # (re)started before the grant, which it must not lose
-        self._grant(size)
+        self._grant(size, self._step + 1 if step is None else step)
         self.nodes.batch.num_trajectories = size
         try:
             batch = next(stream)
@@ -246,9 +284,9 @@ class RolloutPipeline:
             self.nodes.batch.num_trajectories = self.config.batch_size
         if size == -1:
             self._exhausted = True
-        if data is not None and "global_step" in data.meta_info:
-            batch.meta_info["global_step"] = data.meta_info["global_step"]
-        return batch
+        if step is not None:
+            batch.meta_info["global_step"] = step
+        return self._with_expired(batch)
 
     # -- weights ----------------------------------------------------------------------
     @property
@@ -282,11 +320,14 @@ class RolloutPipeline:
             "loader": self._loader.state_dict(),
             "signals": self.nodes.signals.get_state(),
             "batches_granted": self._batches_granted,
+            "step": self._step,
+            "expired_seen": self._expired_seen,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.nodes.signals.load_state(state["signals"])
         self._batches_granted = int(state["batches_granted"])
+        self._step, self._expired_seen = int(state["step"]), int(state["expired_seen"])
         self._loader.load_state_dict(state["loader"])
         self._iter = iter(self._loader)
 

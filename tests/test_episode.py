@@ -393,7 +393,7 @@ def test_abort_regenerates_the_same_turn(hf_engine: Any, tokenizer: Any) -> None
     calls = 0
 
     def suspend_and_resume() -> None:
-        time.sleep(0.03)  # the request is in flight (200 tokens take far longer)
+        time.sleep(0.1)  # the request is in flight (200 tokens take about 1 s)
         control.close()
         hf_engine.pause("abort")
         time.sleep(0.05)
@@ -423,6 +423,7 @@ def test_abort_regenerates_the_same_turn(hf_engine: Any, tokenizer: Any) -> None
     )
     assert calls == 2  # admitted again before the regeneration
     assert len(t.turns) == 1 and len(t.turns[0].response_ids) == 200
+    assert 0 < t.aborted_tokens < 200  # the partial turn thrown away, counted
     assert t.turns[0].finish_reason == "length"
 
 

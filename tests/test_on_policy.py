@@ -82,3 +82,45 @@ def test_each_validation_pass_is_fresh_and_identical(vllm_engine, tokenizer):
     first, second = passes
     assert list(first.non_tensor_batch["traj_uid"]) == list(second.non_tensor_batch["traj_uid"])
     assert torch.equal(first.batch["input_ids"], second.batch["input_ids"])
+
+
+def test_max_traj_per_env_starts_more_and_first_finishers_fill_on_policy_batches(
+    vllm_engine, tokenizer, tiny_model_path
+):
+    """ROLL's over-provisioning: 1 trajectory per env slot x 12 slots = 3 groups a step for
+    2-group batches; the surplus group never leaks old-policy tokens into a later batch."""
+    policy = weights_of(tiny_model_path)
+    cfg = config(max_traj_per_env=1, concurrency=12)
+    assert cfg.groups_per_step == 3 and not cfg.admission_order
+    pipe = RolloutPipeline(cfg, vllm_engine, tokenizer)
+    with pipe:
+        first = pipe.get_batch(DataProto(meta_info={"global_step": 0}), 8)
+        assert first is not None and len(first) == 8
+        assert pipe.nodes.signals.requests_made == 3
+        for step in (1, 2):
+            pipe.suspend()
+            version = pipe.update_weights(policy)
+            batch = pipe.get_batch(DataProto(meta_info={"global_step": step}), 8)
+            assert batch is not None and len(batch) == 8
+            assert response_versions(batch) == {version}
+        assert pipe.nodes.signals.requests_made >= 9  # 3 a step, plus replacements
+
+
+def test_global_step_must_be_a_count_that_never_goes_back(vllm_engine, tokenizer):
+    with RolloutPipeline(config(), vllm_engine, tokenizer) as pipe:
+        for bad in ("3", 1.5, -1, True):
+            try:
+                pipe.get_batch(DataProto(meta_info={"global_step": bad}))
+            except ValueError as e:
+                assert "global_step" in str(e) and repr(bad) in str(e)
+            else:
+                raise AssertionError(f"global_step={bad!r} was accepted")
+        pipe.get_batch(DataProto(meta_info={"global_step": 5}))
+        try:
+            pipe.get_batch(DataProto(meta_info={"global_step": 4}))
+        except ValueError as e:
+            assert "global_step=4" in str(e) and "5" in str(e)
+        else:
+            raise AssertionError("a step going back was accepted")
+        again = pipe.get_batch(DataProto(meta_info={"global_step": 6}))  # nothing was lost
+        assert again is not None and len(again) == 8 and again.meta_info["global_step"] == 6

@@ -62,6 +62,7 @@ class _Clock:
     def __init__(self) -> None:
         self.env = 0.0
         self.engine = 0.0
+        self.aborted_tokens = 0  # generated, then aborted by a pause and regenerated
 
 
 async def _env_call(
@@ -108,6 +109,7 @@ async def _generate(
         clock.engine += time.perf_counter() - start
         if gen.finish_reason != "abort":
             return gen
+        clock.aborted_tokens += len(gen.token_ids)
         aborts += 1
         if aborts > max_aborts:
             raise EngineError(
@@ -199,6 +201,7 @@ async def run_episode(
             error=err,
             env_time_s=clock.env,
             engine_time_s=clock.engine,
+            aborted_tokens=clock.aborted_tokens,
             final_observation=observation,
             history_window=chat.history_window,
             env_metrics=aggregate_metrics(metrics, agg_modes),

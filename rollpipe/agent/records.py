@@ -209,6 +209,7 @@ class Trajectory:
     error: str | None = None
     env_time_s: float = 0.0
     engine_time_s: float = 0.0
+    aborted_tokens: int = 0  # generated, aborted by suspend(mode="abort"), regenerated
     final_observation: str = ""
     history_window: int | None = None
     env_metrics: Mapping[str, float] = attrs.field(factory=dict, converter=_metrics, hash=False)
@@ -288,6 +289,7 @@ class Trajectory:
             "error": self.error,
             "env_time_s": float(self.env_time_s),
             "engine_time_s": float(self.engine_time_s),
+            "aborted_tokens": int(self.aborted_tokens),
             "final_observation": self.final_observation,
             "history_window": self.history_window,
             "env_metrics": dict(self.env_metrics),

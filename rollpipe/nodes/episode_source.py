@@ -58,10 +58,13 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
         redundancy: extra members started per group; the first ``group_size`` to finish win.
         control: when given, groups requested by downstream stages (replacements for
             dropped groups, or the pipeline's grants) are added to the budget.
-        metered: start with a budget of 0 groups and issue only what is requested through
-            ``control.request_groups`` (never more than ``num_groups``): the pipeline
+        metered: start with a budget of 0 groups and issue only what is granted through
+            ``control.grant_groups`` (never more than ``num_groups``): the pipeline
             grants one batch's groups per ``get_batch``, so generation does not run
             ahead of the trainer (on-policy; see ``async_generation_ratio``).
+        expire_after: metered only: a granted group not yet started when a grant of a
+            step more than this many steps newer arrives is never started (counted in
+            ``expired_groups``), as ROLL's GroupQueue expires groups at ``advance_step``.
     """
 
     def __init__(
@@ -74,6 +77,7 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
         redundancy: int = 0,
         control: RolloutControl | None = None,
         metered: bool = False,
+        expire_after: int | None = None,
     ) -> None:
         super().__init__()
         if num_groups is not None:
@@ -90,12 +94,17 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
         if metered and control is None:
             raise ValueError("EpisodeSource: metered=True needs a control to receive grants")
         self.metered = metered
+        if expire_after is not None:
+            check_int("EpisodeSource.expire_after (or None)", expire_after, 0)
+        self.expire_after = expire_after
         weights = np.array([c.weight for c in self.envs], dtype=np.float64)
         self._cum_weights = np.cumsum(weights / weights.sum())
         self._group = 0
         self._member = 0
         self._budget = num_groups  # groups it may issue in all (None: endless)
-        self._granted = 0  # metered: groups requested so far
+        self._grants: list[list[int]] = []  # metered: [groups not started, step] in order
+        self._step = 0  # metered: the newest step a grant came with
+        self.expired_groups = 0  # metered: granted groups that expired unstarted
 
     @property
     def members_per_group(self) -> int:
@@ -105,19 +114,23 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
         super().reset(initial_state)
         if initial_state is None:
             self._group, self._member, self._budget = 0, 0, self.num_groups
-            self._granted = 0
+            self._grants, self._step, self.expired_groups = [], 0, 0
         else:
             self._group = int(initial_state["group"])
             self._member = int(initial_state["member"])
             self._budget = initial_state["budget"]
-            self._granted = int(initial_state.get("granted", 0))
+            self._grants = [[int(n), int(s)] for n, s in initial_state["grants"]]
+            self._step = int(initial_state["step"])
+            self.expired_groups = int(initial_state["expired_groups"])
 
     def get_state(self) -> dict[str, Any]:
         return {
             "group": self._group,
             "member": self._member,
             "budget": self._budget,
-            "granted": self._granted,
+            "grants": [list(g) for g in self._grants],
+            "step": self._step,
+            "expired_groups": self.expired_groups,
         }
 
     def choice_for(self, group_id: int) -> EnvChoice:
@@ -139,16 +152,41 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
             tag=env.label,
         )
 
+    def _take_requests(self, control: RolloutControl) -> None:
+        """Add downstream requests to the budget: replacements, and (metered) grants,
+        expiring grants too old for ``expire_after``."""
+        replacements = control.take_replacements()
+        if self._budget is not None:
+            self._budget += replacements
+        if not self.metered:
+            return
+        for n, step in control.take_grants():
+            self._grants.append([n, step])
+            self._step = max(self._step, step)
+        if replacements:  # ROLL creates a replacement at the current step
+            self._grants.append([replacements, self._step])
+        if self.expire_after is not None:
+            fresh = [g for g in self._grants if self._step - g[1] <= self.expire_after]
+            self.expired_groups += sum(g[0] for g in self._grants) - sum(g[0] for g in fresh)
+            self._grants = fresh
+
+    def _start_group(self) -> bool:
+        """Whether a new group may start now; a metered source uses up one granted group."""
+        if self._budget is not None and self._group >= self._budget:
+            return False
+        if not self.metered:
+            return True
+        while self._grants and self._grants[0][0] == 0:
+            self._grants.pop(0)
+        if not self._grants:
+            return False
+        self._grants[0][0] -= 1
+        return True
+
     def next(self) -> EpisodeSpec:
         if self.control is not None:
-            replacements = self.control.take_replacements()
-            if self._budget is not None:
-                self._budget += replacements
-            if self.metered:
-                self._granted += replacements + self.control.take_grants()
-        if (self._budget is not None and self._group >= self._budget) or (
-            self.metered and self._group >= self._granted
-        ):
+            self._take_requests(self.control)
+        if self._member == 0 and not self._start_group():
             raise StopIteration
         spec = self.spec(self._group, self._member)
         self._member += 1

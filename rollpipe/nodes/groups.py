@@ -296,7 +296,7 @@ class GroupAssembler(BaseNode[Group]):
 
     def _waste(self, trajectories: list[Trajectory], tag: str) -> None:
         """Count the generated tokens of dropped trajectories (``dropped/wasted_tokens``)."""
-        tokens = sum(t.num_generated_tokens for t in trajectories)
+        tokens = sum(t.num_generated_tokens + t.aborted_tokens for t in trajectories)
         if tokens:
             self._drop("wasted_tokens", tag, tokens)
 

@@ -27,7 +27,7 @@ class RolloutControl:
         self._lock = threading.Lock()
         self._cancelled: set[int] = set()
         self._replacements = 0
-        self._grants = 0
+        self._grants: list[tuple[int, int]] = []  # (groups, step) not yet taken
         self._made = 0  # replacements + grants ever asked for
         self._listeners: list[Callable[[], None]] = []
 
@@ -92,12 +92,14 @@ class RolloutControl:
             self._made += n
         self._changed()
 
-    def grant_groups(self, n: int) -> None:
-        """Let a metered episode source issue ``n`` more groups (the pipeline grants one
-        batch's worth per ``get_batch``, so generation does not run ahead)."""
+    def grant_groups(self, n: int, step: int = 0) -> None:
+        """Let a metered episode source issue ``n`` more groups, created at training
+        ``step`` (the pipeline grants one batch's worth per ``get_batch``, so generation
+        does not run ahead; a grant older than the source allows expires unissued)."""
         check_int("grant_groups: n", n, 0)
+        check_int("grant_groups: step", step, 0)
         with self._lock:
-            self._grants += n
+            self._grants.append((n, step))
             self._made += n
         self._changed()
 
@@ -119,11 +121,11 @@ class RolloutControl:
             n, self._replacements = self._replacements, 0
             return n
 
-    def take_grants(self) -> int:
-        """Hand all pending grants to the caller (a metered episode source)."""
+    def take_grants(self) -> list[tuple[int, int]]:
+        """Hand all pending ``(groups, step)`` grants to the caller (a metered source)."""
         with self._lock:
-            n, self._grants = self._grants, 0
-            return n
+            grants, self._grants = self._grants, []
+            return grants
 
     # -- checkpointing --------------------------------------------------------------
     def get_state(self) -> dict[str, object]:
@@ -131,14 +133,15 @@ class RolloutControl:
             return {
                 "cancelled": sorted(self._cancelled),
                 "replacements": self._replacements,
-                "grants": self._grants,
+                "grants": [list(g) for g in self._grants],
             }
 
     def load_state(self, state: dict[str, object] | None) -> None:
         with self._lock:
             if state is None:
-                self._cancelled, self._replacements, self._grants = set(), 0, 0
+                self._cancelled, self._replacements, self._grants = set(), 0, []
             else:
                 self._cancelled = set(state["cancelled"])  # type: ignore[call-overload]
                 self._replacements = int(state["replacements"])  # type: ignore[call-overload]
-                self._grants = int(state.get("grants", 0))  # type: ignore[call-overload]
+                grants = state.get("grants", [])
+                self._grants = [(int(n), int(s)) for n, s in grants]  # type: ignore[attr-defined]
