@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from operator import methodcaller
 from typing import Any, Literal
 
@@ -21,6 +21,7 @@ from torchdata.nodes import BaseNode, Loader, Mapper
 from rollpipe.agent.chat import ChatFormat
 from rollpipe.config import PipelineConfig
 from rollpipe.data.proto import DataProto
+from rollpipe.engines.pool import EnginePool
 from rollpipe.engines.protocol import Engine, PauseMode
 from rollpipe.engines.records import EngineError
 from rollpipe.nodes.batch import Batch
@@ -309,6 +310,26 @@ class RolloutPipeline:
 
     def update_weights(self, weights: Any, version: int | None = None) -> int:
         return self.nodes.pause_controller.update_weights(weights, version=version)
+
+    # -- engines (an EnginePool) ------------------------------------------------------
+    def shrink_sampler(self, target_gpus: Iterable[int]) -> dict[str, Any]:
+        """ROLL's name: take the pool's ranks on ``target_gpus`` out of generation (their
+        requests are re-sent to the ranks that stay); see ``EnginePool.shrink``. Callable
+        while ``get_batch`` blocks in another thread."""
+        return self._pool("shrink_sampler").shrink(target_gpus)
+
+    def expand_sampler(self, target_gpus: Iterable[int], skip_load: bool = False) -> dict[str, Any]:
+        """ROLL's name: bring the pool's ranks within ``target_gpus`` back, with the current
+        weights (``skip_load``: checked to be current already); see ``EnginePool.expand``."""
+        return self._pool("expand_sampler").expand(target_gpus, skip_load=skip_load)
+
+    def _pool(self, what: str) -> EnginePool:
+        if not isinstance(self.engine, EnginePool):
+            raise TypeError(
+                f"{what} needs the pipeline's engine to be an EnginePool (many engines on "
+                f"devices), got {type(self.engine).__name__}; build it with EnginePool(...)"
+            )
+        return self.engine
 
     # -- checkpointing ----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from rollpipe.agent.chat import ChatFormat
 from rollpipe.agent.records import EndReason, EpisodeSpec, Trajectory, Turn
 from rollpipe.engines.protocol import Engine
 from rollpipe.engines.records import EngineError, Generation, SamplingParams
+from rollpipe.engines.routing import Session, in_session
 from rollpipe.envs.metrics import aggregate_metrics, step_metrics
 
 OnLength = Literal["step", "skip", "end"]
@@ -94,6 +95,7 @@ async def _generate(
     admit: Callable[[], Awaitable[None]] | None,
     max_aborts: int,
     clock: _Clock,
+    session: Session,
 ) -> Generation:
     """One engine request, re-sent when the engine aborts it (paused with ``abort``).
 
@@ -105,7 +107,8 @@ async def _generate(
         if admit is not None:
             await admit()
         start = time.perf_counter()
-        gen = await engine.generate(prompt, params)
+        with in_session(session):  # an engine pool keeps the episode on one rank
+            gen = await engine.generate(prompt, params)
         clock.engine += time.perf_counter() - start
         if gen.finish_reason != "abort":
             return gen
@@ -177,6 +180,7 @@ async def run_episode(
     if not math.isfinite(penalty):
         raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
     clock = _Clock()
+    session = Session(spec.episode_id)
     turns: list[Turn] = []
     context: list[int] = []  # conversation mode: every id the engine has seen or produced
     windowed = chat.history_window is not None
@@ -222,7 +226,7 @@ async def run_episode(
                 seed=derive_seed(spec.seed, spec.episode_id, t),
                 stop_token_ids=stop_ids,
             )
-            gen = await _generate(engine, prompt, params, admit, max_aborts, clock)
+            gen = await _generate(engine, prompt, params, admit, max_aborts, clock, session)
             fields = _turn(added, gen, chat.decode(gen.token_ids), observation)
             if not windowed:
                 context = [*prompt, *gen.token_ids]

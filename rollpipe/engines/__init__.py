@@ -3,7 +3,8 @@
 ``protocol.py`` defines ``Engine`` and ``PauseMode``; ``records.py`` the request and result
 records and the errors; ``inputs.py`` where prompts and weights are checked; ``base.py``
 ``BaseEngine``, which runs an engine on a runtime and drives one ``Backend``
-(``backend.py``). ``vllm.py`` and ``hf.py`` are the two engines.
+(``backend.py``). ``vllm.py`` and ``hf.py`` are the two engines; ``pool.py`` puts many
+behind one (``routing.py`` picks the rank of each request).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from rollpipe.engines.backend import Backend, EngineLink
 from rollpipe.engines.base import BaseEngine
 from rollpipe.engines.hf import HFEngine
 from rollpipe.engines.inputs import PromptIds, check_prompt, named_tensors
+from rollpipe.engines.pool import EnginePool
 from rollpipe.engines.protocol import PAUSE_MODES, Engine, PauseMode, WeightsLike
 from rollpipe.engines.records import (
     FINISH_REASONS,
@@ -32,6 +34,7 @@ __all__ = [
     "EngineClosedError",
     "EngineError",
     "EngineLink",
+    "EnginePool",
     "Generation",
     "HFEngine",
     "PauseMode",

@@ -83,6 +83,11 @@ class BaseEngine:
         return self._closed
 
     @property
+    def alive(self) -> bool:
+        """Whether the engine can still generate (neither closed nor dead)."""
+        return not self._closed and self._dead is None
+
+    @property
     def runtime(self) -> Runtime:
         """The event loop this engine runs on. Coroutines running on it (a ``Rollout``'s
         episodes) reach the engine without a thread hop."""

@@ -3,6 +3,12 @@
 A step blocks the loop for one forward pass; requests, pauses and weight updates are
 handled between steps, so every token carries the version of the weights that produced
 it and nothing needs a lock. An idle stepper sleeps on an event until a request arrives.
+
+On CPU, the in-process engines of one process run their forward passes one at a time
+(``CPU_FORWARD_LOCK``): vLLM's CPU attention kernels keep scratch buffers per OpenMP
+thread number, shared by every engine in the process, and two engines stepping at once
+from two threads corrupted the heap here (``free(): invalid next size``). Engines that
+must compute in parallel on CPU use ``multiprocess=True`` (one engine core per process).
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,7 +33,10 @@ from rollpipe.engines.vllm_common import (
     sampled_logprobs,
 )
 
-__all__ = ["BURST_GAP_S", "BURST_MAX_S", "InprocBackend"]
+__all__ = ["BURST_GAP_S", "BURST_MAX_S", "CPU_FORWARD_LOCK", "InprocBackend"]
+
+CPU_FORWARD_LOCK = threading.Lock()
+"""Held by an in-process CPU engine while it builds or steps (see the module doc)."""
 
 BURST_GAP_S = 0.002  # an idle engine starts once no request arrived for this long...
 BURST_MAX_S = 0.02  # ...or this long after the first one, whichever comes first
@@ -91,8 +101,11 @@ class InprocBackend(VLLMBackendBase):
 
     live = 0  # in-process engines alive in this process (they share distributed state)
 
-    def __init__(self, llm: Any, link: EngineLink) -> None:
+    def __init__(
+        self, llm: Any, link: EngineLink, forward_lock: contextlib.AbstractContextManager[Any]
+    ) -> None:
         super().__init__(llm, link)
+        self.forward_lock = forward_lock
         self.active: dict[str, _Request] = {}
         self.queued: list[_Request] = []
         self.wake = asyncio.Event()  # there may be work for the stepper
@@ -105,13 +118,15 @@ class InprocBackend(VLLMBackendBase):
     async def start(cls, args: Any, link: EngineLink, threads: int | None) -> InprocBackend:
         from vllm.v1.engine.llm_engine import LLMEngine
 
+        on_cpu = threads is not None  # VLLMEngine resolves threads on CPU only
+        forward_lock = CPU_FORWARD_LOCK if on_cpu else contextlib.nullcontext()
         set_thread_torch_threads(threads)
-        with _preserved_global_rng():
+        with forward_lock, _preserved_global_rng():
             llm = LLMEngine.from_engine_args(args)
         set_thread_torch_threads(threads)  # the CPU worker patched the setter; undo, re-apply
         llm.set_weight_version(str(link.version()))
         InprocBackend.live += 1
-        return cls(llm, link)
+        return cls(llm, link, forward_lock)
 
     # -- requests ------------------------------------------------------------------------
     async def generate(self, prompt: list[int], params: SamplingParams) -> Generation:
@@ -174,7 +189,8 @@ class InprocBackend(VLLMBackendBase):
                 await self._gather_burst()
                 continue
             try:
-                outputs = self.llm.step()
+                with self.forward_lock:
+                    outputs = self.llm.step()
                 version = self.link.version()
                 for out in outputs:
                     req = self.active.get(out.request_id)

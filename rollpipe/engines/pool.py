@@ -1,0 +1,336 @@
+"""EnginePool: many engines behind one ``Engine``, with ROLL's shrink / expand.
+
+Each rank is one engine on a set of devices (plain CPU engines get logical ids ``[i]``).
+The pool is an ``Engine`` itself, so every stage and the pipeline use it unchanged:
+
+* **Routing.** Each request goes to the rank its router picks among the active ones
+  (``routing.py``): by default an episode sticks to its rank across turns (its prefix
+  stays in that rank's KV cache) and a new one goes to the rank with the fewest
+  in-flight requests. ``routing_log`` records ``(session key, rank)`` per request.
+* **Control.** ``pause`` / ``resume`` / ``update_weights`` fan out to the active ranks;
+  ``version`` is one number for the pool, and each token keeps the exact version of the
+  rank that generated it.
+* **Shrink / expand** (ROLL's ``shrink_sampler`` / ``expand_sampler``): ``shrink``
+  takes out every rank touching the given devices — its in-flight requests are aborted
+  and re-sent to the ranks that stay (the turn is regenerated; the episode goes on),
+  its sessions' routes are cleared, and its engine is freed. ``expand`` rebuilds every
+  rank within the given devices with ``make_engine(rank)`` and loads the pool's current
+  weights (a CPU copy kept from the last ``update_weights``) unless ``skip_load``, in
+  which case a rank not at the pool's version is refused. vLLM's sleep mode is not
+  available on its CPU backend, so offloading frees the engine and expanding rebuilds it.
+
+Requests run on the pool's own runtime (where a ``Rollout`` runs its episodes) and reach
+each rank's engine through that engine's runtime. Control calls block their caller and
+run one at a time; they may come from any thread while requests are in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any, Self
+
+import torch
+
+from rollpipe._utils.checks import check_int
+from rollpipe.engines.inputs import PromptIds, check_prompt, named_tensors
+from rollpipe.engines.pool_ranks import Rank, RankTable, check_devices, pool_devices
+from rollpipe.engines.protocol import PAUSE_MODES, Engine, PauseMode, WeightsLike
+from rollpipe.engines.records import EngineClosedError, EngineError, Generation, SamplingParams
+from rollpipe.engines.routing import RankLoad, Router, Session, current_session, make_router
+from rollpipe.runtime import Runtime
+
+__all__ = ["EnginePool"]
+
+
+class EnginePool:
+    """``num_engines`` engines made by ``make_engine(rank)``, behind one ``Engine``.
+
+    ``devices[i]`` lists rank ``i``'s device ids (default ``[i]``); ``router`` is a name
+    from ``rollpipe.engines.routing.ROUTERS`` or an object with ``route(session, loads)``.
+    """
+
+    def __init__(
+        self,
+        make_engine: Callable[[int], Engine],
+        num_engines: int = 2,
+        *,
+        devices: Sequence[Iterable[int]] | None = None,
+        router: str | Router = "least_requests",
+        routing_log_size: int = 100_000,
+    ) -> None:
+        check_int("EnginePool: num_engines", num_engines, 1)
+        check_int("EnginePool: routing_log_size", routing_log_size, 0)
+        device_sets = pool_devices(devices, num_engines)
+        chosen_router = make_router(router)
+        self._make_engine = make_engine
+        engines: list[Engine] = []
+        try:
+            for i in range(num_engines):
+                engines.append(self._build(i))
+            versions = [e.version for e in engines]
+            if len(set(versions)) > 1:
+                raise ValueError(f"EnginePool: engines start at different versions {versions}")
+        except BaseException:
+            for engine in engines:
+                engine.close()
+            raise
+        ranks = [Rank(i, device_sets[i], e) for i, e in enumerate(engines)]
+        self._table = RankTable(ranks, chosen_router, routing_log_size)
+        self._all_devices = frozenset().union(*device_sets)
+        self._version = versions[0]
+        self._pause_mode: PauseMode | None = None
+        self._weights: list[tuple[str, torch.Tensor]] | None = None  # CPU copy, for expand
+        self._control = threading.Lock()  # one pause / resume / update / shrink / expand
+        self._runtime = Runtime("rollpipe-engine-pool")
+        self._scope = self._runtime.scope("engine-pool")
+
+    @classmethod
+    def vllm(cls, model_path: Any, num_engines: int = 2, **kwargs: Any) -> EnginePool:
+        """A pool of ``VLLMEngine(model_path, **engine_kwargs)``; pool options
+        (``devices``, ``router``, ``routing_log_size``) are taken out of ``kwargs``."""
+        from rollpipe.engines.vllm import VLLMEngine
+
+        pool_keys = ("devices", "router", "routing_log_size")
+        options = {k: kwargs.pop(k) for k in pool_keys if k in kwargs}
+        return cls(lambda rank: VLLMEngine(model_path, **kwargs), num_engines, **options)
+
+    def _build(self, index: int) -> Engine:
+        engine = self._make_engine(index)
+        if not isinstance(engine, Engine):
+            raise TypeError(f"EnginePool: make_engine({index}) returned {engine!r}, not an Engine")
+        return engine
+
+    # -- state ---------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def is_paused(self) -> bool:
+        return self._pause_mode is not None
+
+    @property
+    def runtime(self) -> Runtime:
+        """The pool's event loop: episodes run here and reach each rank's engine from it."""
+        return self._runtime
+
+    @property
+    def num_engines(self) -> int:
+        return len(self._table.ranks)
+
+    @property
+    def active_ranks(self) -> list[int]:
+        return [load.rank for load in self._table.loads()]
+
+    @property
+    def routing_log(self) -> deque[tuple[Hashable | None, int]]:
+        """``(session key, rank)`` of each routed request, the latest ``routing_log_size``."""
+        return self._table.routing_log
+
+    @property
+    def rerouted(self) -> int:
+        """Requests re-sent because their rank left the pool (shrunk or failed)."""
+        return self._table.rerouted
+
+    def loads(self) -> list[RankLoad]:
+        """Each active rank's in-flight requests and tokens, now."""
+        return self._table.loads()
+
+    def rank_devices(self, rank: int) -> frozenset[int]:
+        return self._table.ranks[rank].devices
+
+    def engine(self, rank: int) -> Engine | None:
+        """Rank ``rank``'s engine (None while it is offloaded)."""
+        return self._table.ranks[rank].engine
+
+    def failures(self) -> dict[int, BaseException]:
+        """Ranks taken out because their engine failed, with the error."""
+        return {r.index: r.error for r in self._table.ranks if r.error is not None}
+
+    def _check_open(self) -> None:
+        if self._table.closed:
+            raise EngineClosedError("EnginePool is closed; create a new pool to generate again")
+
+    # -- requests --------------------------------------------------------------------------
+    async def generate(self, prompt_ids: PromptIds, params: SamplingParams) -> Generation:
+        """Route one request; re-send it if its rank leaves the pool before it finishes."""
+        prompt = check_prompt(prompt_ids)  # each rank checks the ids against its vocabulary
+        self._check_open()
+        session = current_session()  # read in the caller's task, before any hop
+        return await self._scope.run(self._generate(prompt, params, session))
+
+    def generate_batch(
+        self, prompts: Sequence[PromptIds], params: SamplingParams
+    ) -> list[Generation]:
+        if self._runtime.in_loop():
+            raise EngineError("generate_batch blocks; do not call it on the pool's own loop")
+        checked = [check_prompt(p) for p in prompts]
+        self._check_open()
+        futures = [self._scope.submit(self._generate(p, params, None)) for p in checked]
+        return [f.result() for f in futures]
+
+    async def _generate(
+        self, prompt: list[int], params: SamplingParams, session: Session | None
+    ) -> Generation:
+        cost = len(prompt) + params.max_tokens
+        while True:
+            rank, engine = self._table.pick(session, cost)
+            try:
+                gen = await engine.generate(prompt, params)
+                # aborted because its rank left mid-request: regenerate the turn elsewhere
+                resend = gen.finish_reason == "abort" and self._table.resent_if_left(rank, engine)
+            except EngineError:
+                if not self._table.left_or_failed(rank, engine):
+                    raise
+                resend = True
+            finally:
+                self._table.release(rank, cost)
+            if not resend:
+                return gen
+
+    # -- control ---------------------------------------------------------------------------
+    def pause(self, mode: PauseMode = "keep") -> None:
+        """Pause every active rank in ``mode`` (see ``Engine.pause``)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        with self._control:
+            self._check_open()
+            previous, self._pause_mode = self._pause_mode, mode
+            paused: list[Engine] = []
+            try:
+                for engine in self._table.active_engines():
+                    engine.pause(mode)
+                    paused.append(engine)
+            except BaseException:
+                self._pause_mode = previous
+                if previous is None:
+                    for engine in paused:
+                        with contextlib.suppress(EngineError):
+                            engine.resume()
+                raise
+
+    def resume(self) -> None:
+        with self._control:
+            self._check_open()
+            self._pause_mode = None
+            for engine in self._table.active_engines():
+                engine.resume()
+
+    def update_weights(self, weights: WeightsLike, version: int | None = None) -> int:
+        """Load ``weights`` into every active rank (one after another) and keep a CPU copy
+        for ranks that come back later; returns the pool's new version."""
+        if version is not None:
+            check_int("update_weights: version", version, 0)
+        named = named_tensors(weights)
+        with self._control:
+            self._check_open()
+            new_version = self._version + 1 if version is None else version
+            for engine in self._table.active_engines():
+                engine.update_weights(named, version=new_version)
+            self._weights = [(name, t.to("cpu", copy=True)) for name, t in named]
+            self._version = new_version
+        return new_version
+
+    def shrink(self, target_gpus: Iterable[int]) -> dict[str, Any]:
+        """Take out every rank whose devices touch ``target_gpus`` (ROLL's shrink_sampler).
+
+        Returns ``aborted`` (their requests that were cut and re-sent elsewhere),
+        ``remapped`` (sessions whose route was cleared), ``offload_ranks``,
+        ``shrink_duration_ms``.
+        """
+        start = time.perf_counter()
+        with self._control:
+            self._check_open()
+            targets = check_devices(target_gpus, self._all_devices, "shrink_sampler")
+            chosen, remapped, engines = self._table.take_out(targets)
+            for engine in engines:
+                _offload(engine)
+            aborted = self._table.wait_released(chosen, timeout=30)
+        return {
+            "aborted": aborted,
+            "remapped": remapped,
+            "offload_ranks": [r.index for r in chosen],
+            "shrink_duration_ms": (time.perf_counter() - start) * 1000,
+        }
+
+    def expand(self, target_gpus: Iterable[int], skip_load: bool = False) -> dict[str, Any]:
+        """Bring back every rank lying within ``target_gpus`` (ROLL's expand_sampler).
+
+        Each is rebuilt and loaded with the pool's current weights, or with ``skip_load``
+        checked to be at the pool's version already (refused otherwise). Returns
+        ``load_ranks``, ``expand_duration_ms`` (and ``aborted`` / ``remapped``: 0, since
+        rollpipe does not move live requests onto the new ranks; new episodes fill them).
+        """
+        start = time.perf_counter()
+        with self._control:
+            self._check_open()
+            targets = check_devices(target_gpus, self._all_devices, "expand_sampler")
+            chosen = self._table.to_expand(targets)
+            built: list[tuple[Rank, Engine]] = []
+            try:
+                for rank in chosen:
+                    if rank.engine is not None:  # a failed engine: free it first
+                        _offload(rank.engine)
+                        rank.engine = None
+                    engine = self._build(rank.index)
+                    built.append((rank, engine))
+                    self._bring_up_to_date(rank, engine, skip_load)
+                    if self._pause_mode is not None:
+                        engine.pause(self._pause_mode)
+            except BaseException:
+                for _, engine in built:
+                    _offload(engine)
+                raise
+            self._table.put_back(built)
+        return {
+            "aborted": 0,
+            "remapped": 0,
+            "load_ranks": [r.index for r in chosen],
+            "expand_duration_ms": (time.perf_counter() - start) * 1000,
+        }
+
+    def _bring_up_to_date(self, rank: Rank, engine: Engine, skip_load: bool) -> None:
+        if skip_load or self._weights is None:
+            if engine.version != self._version:
+                how = (
+                    "expand without skip_load to load the current weights"
+                    if skip_load
+                    else "make_engine must build the pool's current weights"
+                )
+                raise ValueError(
+                    f"expand_sampler: {rank.describe()} is at policy version {engine.version} "
+                    f"but the pool is at {self._version}; {how}"
+                )
+            return
+        engine.update_weights(self._weights, version=self._version)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close every rank's engine and the pool's runtime; waiting callers get
+        EngineClosedError at once."""
+        if self._table.closed:
+            return
+        engines = self._table.close()
+        error = EngineClosedError("EnginePool was closed")
+        self._scope.close(error)
+        for engine in engines:
+            with contextlib.suppress(Exception):
+                engine.close()
+        self._runtime.close(error)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _offload(engine: Engine) -> None:
+    """Free a rank's engine: abort what it runs (the pool re-sends it), then close it."""
+    with contextlib.suppress(EngineError):
+        engine.pause("abort")
+    engine.close()
