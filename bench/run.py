@@ -38,6 +38,7 @@ BENCHMARKS = (
     "overhead",
     "collate",
     "on_policy",
+    "pool",
 )
 NEEDS_ENGINE = {"efficiency", "long_tail", "concurrency", "pause", "overhead", "on_policy"}
 LEVELS = (1, 8, 64, 256)
@@ -75,6 +76,14 @@ SUMMARY = (
         "—",
         "{:.0f}",
     ),
+    ("8", "Pool: sticky ÷ random routing tokens/s", "pool_sticky_vs_random", "—", "{:.2f}×"),
+    ("8", "Pool: prefix-cache hit rate, sticky", "pool_sticky_prefix_hit_rate", "—", "{:.2f}"),
+    ("8", "Pool: prefix-cache hit rate, random", "pool_random_prefix_hit_rate", "—", "{:.2f}"),
+    ("8", "Pool: shrink 1 of 2 ranks mid-batch", "pool_shrink_ms", "—", "{:.0f} ms"),
+    ("8", "Pool: expand (rebuild + load weights)", "pool_expand_load_ms", "—", "{:.0f} ms"),
+    ("8", "Pool: longest request spanning a shrink", "pool_shrink_stall_ms", "—", "{:.0f} ms"),
+    ("8", "Pool: 2 ÷ 1 engines, in-process", "pool_inproc_ratio", "—", "{:.2f}×"),
+    ("8", "Pool: 2 ÷ 1 engines, multiprocess", "pool_multiprocess_ratio", "—", "{:.2f}×"),
 )
 
 

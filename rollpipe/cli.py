@@ -54,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--env", help="environment name (frozenlake, sokoban, ...)")
     run.add_argument("--model", type=Path, help="local HF causal LM (default: the tiny model)")
     run.add_argument("--engine", choices=("vllm", "hf"), default="vllm")
+    run.add_argument(
+        "--engines",
+        type=int,
+        default=1,
+        help="vLLM engines behind one pool (default 1); more than 1 runs each in its own "
+        "process, so they compute in parallel",
+    )
     run.add_argument("--batches", type=int, default=3, help="batches to collect (default 3)")
     run.add_argument("--batch-size", type=int, help="trajectories per batch")
     run.add_argument("--group-size", type=int, help="trajectories per GRPO group")
@@ -86,14 +93,25 @@ def load_config(args: argparse.Namespace) -> PipelineConfig:
     return PipelineConfig.from_dict(data)
 
 
-def make_engine(kind: str, model_path: Path) -> Any:
+def make_engine(kind: str, model_path: Path, engines: int = 1) -> Any:
+    """The engine ``rollpipe run`` drives: one, or an ``EnginePool`` of vLLM engines (each
+    with its engine core in a process of its own: in-process CPU engines cannot compute
+    at the same time)."""
+    if engines < 1:
+        raise ValueError(f"--engines must be >= 1, got {engines}")
     if kind == "hf":
+        if engines > 1:
+            raise ValueError("--engines > 1 needs --engine vllm")
         from rollpipe.engines.hf import HFEngine
 
         return HFEngine(model_path)
     from rollpipe.engines.vllm import VLLMEngine
 
-    return VLLMEngine(model_path)
+    if engines == 1:
+        return VLLMEngine(model_path)
+    from rollpipe.engines.pool import EnginePool
+
+    return EnginePool.vllm(model_path, engines, multiprocess=True)
 
 
 def summary_row(index: int, metrics: dict[str, float]) -> list[str]:
@@ -128,8 +146,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if not Path(model_path).is_dir():
         raise ValueError(f"--model {model_path}: not a directory holding a HF model")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    console.print(f"[dim]starting the {args.engine} engine on {model_path}...[/dim]")
-    engine = make_engine(args.engine, Path(model_path))
+    what = (
+        f"{args.engines} {args.engine} engines" if args.engines > 1 else f"the {args.engine} engine"
+    )
+    console.print(f"[dim]starting {what} on {model_path}...[/dim]")
+    engine = make_engine(args.engine, Path(model_path), args.engines)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
 

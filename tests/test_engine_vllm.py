@@ -371,3 +371,10 @@ def test_a_failed_step_kills_the_engine(tiny_model_path: Path) -> None:
     finally:
         engine.close()
     assert engine.closed and not engine.runtime.thread.is_alive()
+
+
+def test_generation_reports_prefix_cache_hits(vllm_engine: VLLMEngine) -> None:
+    prompt = [(7 * i) % 250 + 3 for i in range(70)]  # 2 full 32-token blocks, then 6
+    first, second = (vllm_engine.generate_batch([p], GREEDY)[0] for p in (prompt, prompt))
+    assert first.cached_tokens is not None and second.cached_tokens is not None
+    assert 64 <= second.cached_tokens < len(prompt)  # whole blocks only, never the last token

@@ -118,7 +118,9 @@ class Generation:
 
     ``logprobs`` is empty when the request asked for none. ``versions[i]`` is the
     engine version whose weights produced ``token_ids[i]``; a request that spans a
-    weight update holds both versions.
+    weight update holds both versions. ``cached_tokens``: how many prompt tokens the
+    engine's prefix cache served (None where the engine does not say; vLLM in-process
+    does).
 
     Backends build it from the Python ints and floats they already hold: the fields are
     stored as tuples, and only their lengths are checked (no per-element conversion).
@@ -128,6 +130,7 @@ class Generation:
     logprobs: tuple[float, ...] = attrs.field(converter=_frozen_floats)
     finish_reason: str = attrs.field()
     versions: tuple[int, ...] = attrs.field(converter=_frozen_ints, validator=_check_generation)
+    cached_tokens: int | None = None  # prompt tokens the engine's prefix cache served
 
     @property
     def num_tokens(self) -> int:

@@ -45,7 +45,17 @@ BURST_MAX_S = 0.02  # ...or this long after the first one, whichever comes first
 class _Request:
     """One request and what it produced so far."""
 
-    __slots__ = ("fut", "logprobs", "prompt", "rid", "sp", "tokens", "versions", "want_lp")
+    __slots__ = (
+        "cached_tokens",
+        "fut",
+        "logprobs",
+        "prompt",
+        "rid",
+        "sp",
+        "tokens",
+        "versions",
+        "want_lp",
+    )
 
     def __init__(self, rid: str, prompt: list[int], sp: Any, want_lp: bool) -> None:
         self.rid, self.prompt, self.sp, self.want_lp = rid, prompt, sp, want_lp
@@ -53,10 +63,12 @@ class _Request:
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
+        self.cached_tokens: int | None = None
 
     def finish(self, reason: str) -> None:
         if not self.fut.done():
-            self.fut.set_result(Generation(self.tokens, self.logprobs, reason, self.versions))
+            gen = Generation(self.tokens, self.logprobs, reason, self.versions, self.cached_tokens)
+            self.fut.set_result(gen)
 
     def fail(self, exc: BaseException) -> None:
         if not self.fut.done():
@@ -211,6 +223,8 @@ class InprocBackend(VLLMBackendBase):
         req.versions.extend([version] * len(ids))
         if req.want_lp and ids:
             req.logprobs.extend(sampled_logprobs(ids, comp.logprobs))
+        if out.num_cached_tokens is not None:
+            req.cached_tokens = out.num_cached_tokens
         if out.finished:
             del self.active[req.rid]
             try:
