@@ -1,9 +1,11 @@
 """Benchmark 8: many engines behind one (``EnginePool``), each arm side by side.
 
-* **Routing** — ``pool_{sticky,random}_tokens_per_s`` and ``_prefix_hit_rate`` (prompt
-  tokens served by vLLM's prefix cache ÷ prompt tokens): a multi-turn FrozenLake
-  pipeline on two in-process engines, sticky least-requests routing (the default)
-  against random routing; ``pool_sticky_vs_random`` is the tokens/s ratio.
+* **Routing** — ``pool_{sticky,sticky_tokens,random}_tokens_per_s`` and
+  ``_prefix_hit_rate`` (prompt tokens served by vLLM's prefix cache ÷ prompt tokens): a
+  multi-turn FrozenLake pipeline on two in-process engines, sticky routing with new
+  episodes by fewest in-flight requests (the default) or by fewest queued tokens,
+  against random routing; ``pool_sticky_vs_random`` and ``pool_requests_vs_tokens`` are
+  tokens/s ratios of the default against the other two.
 * **Shrink / expand** — ``pool_shrink_ms`` (mid-batch, 1 of 2 ranks), ``pool_rerouted``
   (requests it cut and re-sent), ``pool_shrink_stall_ms`` (the longest request that
   spanned the shrink, end to end: what a live episode waits at worst) against
@@ -84,8 +86,9 @@ def _pool(ctx: BenchContext, router: str = "least_requests", **kwargs: Any) -> E
 
 def _routing(ctx: BenchContext, batches: int) -> Figures:
     figures: Figures = {}
-    reps: dict[str, list[dict[str, float]]] = {"sticky": [], "random": []}
-    pools = {"sticky": _pool(ctx), "random": _pool(ctx, router="random")}
+    arms = {"sticky": "least_requests", "sticky_tokens": "least_tokens", "random": "random"}
+    reps: dict[str, list[dict[str, float]]] = {arm: [] for arm in arms}
+    pools = {arm: _pool(ctx, router=router) for arm, router in arms.items()}
     try:
         for rep in range(ctx.repeats_for()):
             for arm, pool in pools.items():
@@ -96,8 +99,12 @@ def _routing(ctx: BenchContext, batches: int) -> Figures:
     for arm, runs in reps.items():
         for key in runs[0]:
             figures[f"pool_{arm}_{key}"] = rounded(median([r[key] for r in runs]))
-    ratios = [s["tokens_per_s"] / r["tokens_per_s"] for s, r in zip(*reps.values(), strict=True)]
-    figures["pool_sticky_vs_random"] = rounded(median(ratios))
+    for arm, key in (
+        ("random", "pool_sticky_vs_random"),
+        ("sticky_tokens", "pool_requests_vs_tokens"),
+    ):
+        pairs = zip(reps["sticky"], reps[arm], strict=True)
+        figures[key] = rounded(median([s["tokens_per_s"] / o["tokens_per_s"] for s, o in pairs]))
     return figures
 
 

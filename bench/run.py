@@ -77,6 +77,13 @@ SUMMARY = (
         "{:.0f}",
     ),
     ("8", "Pool: sticky ÷ random routing tokens/s", "pool_sticky_vs_random", "—", "{:.2f}×"),
+    (
+        "8",
+        "Pool: least requests ÷ least tokens tokens/s",
+        "pool_requests_vs_tokens",
+        "—",
+        "{:.2f}×",
+    ),
     ("8", "Pool: prefix-cache hit rate, sticky", "pool_sticky_prefix_hit_rate", "—", "{:.2f}"),
     ("8", "Pool: prefix-cache hit rate, random", "pool_random_prefix_hit_rate", "—", "{:.2f}"),
     ("8", "Pool: shrink 1 of 2 ranks mid-batch", "pool_shrink_ms", "—", "{:.0f} ms"),

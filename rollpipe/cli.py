@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from rollpipe.engines.records import EngineError
 from rollpipe.pipeline import PipelineConfig
 
 # flag name -> PipelineConfig field
@@ -61,6 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="vLLM engines behind one pool (default 1); more than 1 runs each in its own "
         "process, so they compute in parallel",
     )
+    run.add_argument(
+        "--ray",
+        action="store_true",
+        help="host the vLLM engines in Ray actors (a local cluster is started on demand)",
+    )
+    run.add_argument("--ray-address", help="join this Ray cluster (implies --ray)")
+    run.add_argument(
+        "--server", help="generate with a running vLLM server at this URL (http://host:port)"
+    )
     run.add_argument("--batches", type=int, default=3, help="batches to collect (default 3)")
     run.add_argument("--batch-size", type=int, help="trajectories per batch")
     run.add_argument("--group-size", type=int, help="trajectories per GRPO group")
@@ -93,20 +103,44 @@ def load_config(args: argparse.Namespace) -> PipelineConfig:
     return PipelineConfig.from_dict(data)
 
 
-def make_engine(kind: str, model_path: Path, engines: int = 1) -> Any:
-    """The engine ``rollpipe run`` drives: one, or an ``EnginePool`` of vLLM engines (each
-    with its engine core in a process of its own: in-process CPU engines cannot compute
-    at the same time)."""
+def make_engine(
+    kind: str,
+    model_path: Path,
+    engines: int = 1,
+    *,
+    ray_address: str | None = None,
+    use_ray: bool = False,
+    server: str | None = None,
+) -> Any:
+    """The engine ``rollpipe run`` drives: a vLLM server, one local engine, Ray actors, or
+    an ``EnginePool`` of several (local ones each with its engine core in a process of
+    its own: in-process CPU engines cannot compute at the same time)."""
     if engines < 1:
         raise ValueError(f"--engines must be >= 1, got {engines}")
+    if server is not None:
+        if engines > 1 or use_ray or ray_address:
+            raise ValueError("--server takes no --engines, --ray or --ray-address")
+        from rollpipe.engines.server import ServerEngine
+
+        return ServerEngine(server)
     if kind == "hf":
-        if engines > 1:
-            raise ValueError("--engines > 1 needs --engine vllm")
+        if engines > 1 or use_ray or ray_address:
+            raise ValueError("--engines > 1, --ray and --ray-address need --engine vllm")
         from rollpipe.engines.hf import HFEngine
 
         return HFEngine(model_path)
     from rollpipe.engines.vllm import VLLMEngine
 
+    if use_ray or ray_address:
+        import functools
+
+        import ray
+
+        from rollpipe.engines.ray_engine import RayEngine, ray_pool
+
+        ray.init(address=ray_address, ignore_reinit_error=True, log_to_driver=False)
+        make = functools.partial(VLLMEngine, str(model_path))
+        return RayEngine(make) if engines == 1 else ray_pool(make, engines)
     if engines == 1:
         return VLLMEngine(model_path)
     from rollpipe.engines.pool import EnginePool
@@ -146,11 +180,20 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if not Path(model_path).is_dir():
         raise ValueError(f"--model {model_path}: not a directory holding a HF model")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    what = (
-        f"{args.engines} {args.engine} engines" if args.engines > 1 else f"the {args.engine} engine"
+    many = args.engines > 1
+    what = f"{args.engines} {args.engine} engines" if many else f"the {args.engine} engine"
+    where = " in Ray actors" if args.ray or args.ray_address else ""
+    if args.server:
+        what, where = "a client of the vLLM server", f" at {args.server}"
+    console.print(f"[dim]starting {what}{where} on {model_path}...[/dim]")
+    engine = make_engine(
+        args.engine,
+        Path(model_path),
+        args.engines,
+        ray_address=args.ray_address,
+        use_ray=args.ray,
+        server=args.server,
     )
-    console.print(f"[dim]starting {what} on {model_path}...[/dim]")
-    engine = make_engine(args.engine, Path(model_path), args.engines)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
 
@@ -273,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console()
     try:
         return run(args, console) if args.command == "run" else inspect(args, console)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, EngineError) as error:
         console.print(f"[bold red]error:[/bold red] {error}", highlight=False)
         return 2
 

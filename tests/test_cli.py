@@ -85,7 +85,18 @@ def test_bad_engines_values(capsys):
     assert main(["run", "--engines", "0"]) == 2
     assert "--engines must be >= 1, got 0" in capsys.readouterr().out
     assert main(["run", "--engines", "2", "--engine", "hf"]) == 2
-    assert "--engines > 1 needs --engine vllm" in capsys.readouterr().out
+    assert "need --engine vllm" in capsys.readouterr().out
+    assert main(["run", "--server", "http://x:1", "--engines", "2"]) == 2
+    assert "--server takes no --engines" in capsys.readouterr().out
+
+
+def test_a_server_that_is_down_is_a_clear_error(capsys):
+    from rollpipe.engines.server import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    assert main(["run", "--server", url, "--batches", "1"]) == 2
+    printed = capsys.readouterr().out
+    assert url in printed
 
 
 def test_run_on_two_engines_in_their_own_processes(tmp_path):

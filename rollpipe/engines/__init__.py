@@ -4,7 +4,8 @@
 records and the errors; ``inputs.py`` where prompts and weights are checked; ``base.py``
 ``BaseEngine``, which runs an engine on a runtime and drives one ``Backend``
 (``backend.py``). ``vllm.py`` and ``hf.py`` are the two engines; ``pool.py`` puts many
-behind one (``routing.py`` picks the rank of each request).
+behind one (``routing.py`` picks the rank of each request); ``ray_engine.py`` hosts an
+engine in a Ray actor and ``server.py`` talks to a running vLLM server.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from rollpipe.engines.hf import HFEngine
 from rollpipe.engines.inputs import PromptIds, check_prompt, named_tensors
 from rollpipe.engines.pool import EnginePool
 from rollpipe.engines.protocol import PAUSE_MODES, Engine, PauseMode, WeightsLike
+from rollpipe.engines.ray_engine import RayEngine, ray_pool
 from rollpipe.engines.records import (
     FINISH_REASONS,
     EngineClosedError,
@@ -22,6 +24,7 @@ from rollpipe.engines.records import (
     Generation,
     SamplingParams,
 )
+from rollpipe.engines.server import ServerEngine, start_vllm_server
 from rollpipe.engines.threads import resolve_cpu_threads, set_thread_torch_threads
 from rollpipe.engines.vllm import VLLMEngine
 
@@ -39,11 +42,15 @@ __all__ = [
     "HFEngine",
     "PauseMode",
     "PromptIds",
+    "RayEngine",
     "SamplingParams",
+    "ServerEngine",
     "VLLMEngine",
     "WeightsLike",
     "check_prompt",
     "named_tensors",
+    "ray_pool",
     "resolve_cpu_threads",
     "set_thread_torch_threads",
+    "start_vllm_server",
 ]
