@@ -147,3 +147,41 @@ def test_register_custom_factory() -> None:
         assert make("tiny-lake-test", size=3).config.size == 3  # type: ignore[union-attr]
     finally:
         _REGISTRY.pop("tiny-lake-test", None)
+
+
+_TAG_PIECES = ["<answer>", "</answer>", "<ANSWER>", "</Answer>", "<ans", "wer>", "x", " Up ", "\n"]
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.sampled_from(_TAG_PIECES) | st.text(max_size=3), max_size=14))
+def test_linear_tag_scan_finds_what_the_regex_finds(pieces: list[str]) -> None:
+    """The default pattern is matched by a linear scan (a regex is quadratic on repeated
+    unclosed tags); for any text it returns what ``re.finditer`` returns."""
+    import re
+
+    from rollpipe.envs.parsing import DEFAULT_ANSWER_PATTERN, _literal_tags
+
+    text = "".join(pieces)
+    assert _literal_tags(DEFAULT_ANSWER_PATTERN) is not None  # the fast path is taken
+    matches = list(re.finditer(DEFAULT_ANSWER_PATTERN, text, re.IGNORECASE | re.DOTALL))
+    expected = matches[-1].group(1).strip() if matches else None
+    assert parse_answer(text) == expected
+    assert parse_answer(text, re.compile(DEFAULT_ANSWER_PATTERN)) == (  # other flags: regex
+        _regex_last(DEFAULT_ANSWER_PATTERN, text)
+    )
+
+
+def _regex_last(pattern: str, text: str) -> str | None:
+    import re
+
+    matches = list(re.finditer(pattern, text))
+    return matches[-1].group(1).strip() if matches else None
+
+
+def test_patterns_that_are_not_literal_tags_use_the_regex() -> None:
+    from rollpipe.envs.parsing import _literal_tags
+
+    assert _literal_tags(r"<a>(.*?)</a>") is not None
+    for pattern in (r"\[(.*?)\]", r"<a>(.+?)</a>", r"(.*?)</a>", r"A: (\w+)"):
+        assert _literal_tags(pattern) is None
+    assert parse_answer("go [Left] then [Up]", r"\[(.*?)\]") == "Up"

@@ -3,6 +3,11 @@
 The model answers in free text; the action is the content of the *last*
 ``<answer>...</answer>`` span (the pattern is configurable), matched
 case-insensitively. Nothing here raises on any input string.
+
+A pattern of the form ``OPEN(.*?)CLOSE`` with literal tags (the default is one) is
+matched by a linear scan for the tags, which finds exactly the spans ``re.finditer``
+finds: a regex engine retries the lazy group from every unclosed ``OPEN``, which is
+quadratic (160 KB of repeated ``<answer>`` took 30 s), and a model can write that.
 """
 
 from __future__ import annotations
@@ -20,13 +25,44 @@ DEFAULT_ANSWER_FORMAT = "<answer>{action}</answer>"
 _STRIP_CHARS = " \t\r\n.!\"'`*"
 
 
+_FLAGS = re.IGNORECASE | re.DOTALL
+_LAZY_SPAN = "(.*?)"
+_REGEX_SYNTAX = set("\\.^$*+?{}[]|()")
+
+
+@functools.lru_cache(maxsize=64)
+def _literal_tags(pattern: str) -> tuple[re.Pattern[str], re.Pattern[str]] | None:
+    """For ``OPEN(.*?)CLOSE`` with literal, non-empty tags: the two tags as
+    case-insensitive searches; None for any other pattern."""
+    open_tag, sep, close_tag = pattern.partition(_LAZY_SPAN)
+    if not sep or not open_tag or not close_tag:
+        return None
+    if _REGEX_SYNTAX & set(open_tag + close_tag):
+        return None
+    flags = re.IGNORECASE
+    return re.compile(re.escape(open_tag), flags), re.compile(re.escape(close_tag), flags)
+
+
+def _last_span(text: str, tags: tuple[re.Pattern[str], re.Pattern[str]]) -> str | None:
+    """The content of the last ``OPEN...CLOSE`` span as ``finditer`` would find it: each
+    span starts at the first OPEN after the previous span and ends at the first CLOSE."""
+    open_tag, close_tag = tags
+    found, pos = None, 0
+    while (start := open_tag.search(text, pos)) is not None:
+        end = close_tag.search(text, start.end())
+        if end is None:  # no CLOSE after this OPEN, so none after any later OPEN
+            break
+        found, pos = text[start.end() : end.start()], end.end()
+    return found
+
+
 @functools.lru_cache(maxsize=64)
 def compile_answer_pattern(pattern: str) -> re.Pattern[str]:
     """Compile ``pattern`` case-insensitively (DOTALL); it needs at least one capture group."""
     if not isinstance(pattern, str):
         raise TypeError(f"answer_pattern must be a str regex, got {type(pattern).__name__}")
     try:
-        compiled = re.compile(pattern, re.IGNORECASE | re.DOTALL)
+        compiled = re.compile(pattern, _FLAGS)
     except re.error as exc:
         raise ValueError(f"answer_pattern {pattern!r} is not a valid regex: {exc}") from exc
     if compiled.groups < 1:
@@ -45,6 +81,11 @@ def parse_answer(text: str, pattern: str | re.Pattern[str] = DEFAULT_ANSWER_PATT
     """
     if not isinstance(text, str):
         return None
+    same_flags = isinstance(pattern, str) or pattern.flags & _FLAGS == _FLAGS
+    tags = _literal_tags(pattern if isinstance(pattern, str) else pattern.pattern)
+    if tags is not None and same_flags:
+        span = _last_span(text, tags)
+        return None if span is None else span.strip()
     compiled = compile_answer_pattern(pattern) if isinstance(pattern, str) else pattern
     last: re.Match[str] | None = None
     for last in compiled.finditer(text):  # noqa: B007 - keep the final match
