@@ -100,7 +100,8 @@ class RayBackend:
     ) -> RayBackend:
         import ray
 
-        actor = ray.remote(EngineHost).options(**options).remote(make_engine)
+        host: Any = ray.remote(EngineHost)  # an actor class (Ray's stubs type it loosely)
+        actor = host.options(**options).remote(make_engine)
         try:
             version = await actor.version.remote()
         except Exception:
