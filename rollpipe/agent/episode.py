@@ -35,16 +35,18 @@ import inspect
 import math
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from rollpipe._utils.seeding import derive_seed
 from rollpipe.agent.chat import ChatFormat
+from rollpipe.agent.env_returns import check_reset, check_step
 from rollpipe.agent.records import EndReason, EpisodeSpec, Trajectory, Turn
 from rollpipe.engines.protocol import Engine
 from rollpipe.engines.records import EngineError, Generation, SamplingParams
 from rollpipe.engines.routing import Session, in_session
 from rollpipe.envs.metrics import aggregate_metrics, step_metrics
 
+T = TypeVar("T")
 OnLength = Literal["step", "skip", "end"]
 ON_LENGTH: tuple[str, ...] = ("step", "skip", "end")
 DEFAULT_LENGTH_PENALTY = -0.1
@@ -70,18 +72,21 @@ async def _env_call(
     fn: Callable[..., Any],
     executor: concurrent.futures.Executor | None,
     clock: _Clock,
+    check: Callable[[Any], T],
     *args: Any,
-) -> Any:
+) -> T:
+    """``fn(*args)`` (awaited, inline or in ``executor``), its return ``check``ed; any
+    failure of the env, a malformed return included, becomes ``_EnvFailed``."""
     start = time.perf_counter()
     try:
         if inspect.iscoroutinefunction(fn):
-            return await fn(*args)
+            return check(await fn(*args))
         if executor is None:  # inline on the loop: cheaper than a thread hop for fast envs
             result = fn(*args)
         else:
             call = functools.partial(fn, *args)
             result = await asyncio.get_running_loop().run_in_executor(executor, call)
-        return await result if inspect.isawaitable(result) else result
+        return check(await result if inspect.isawaitable(result) else result)
     except Exception as exc:  # the env's failure, whatever it is
         raise _EnvFailed(exc) from exc
     finally:
@@ -180,6 +185,7 @@ async def run_episode(
     if not math.isfinite(penalty):
         raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
     clock = _Clock()
+    checked_step = functools.partial(check_step, env)
     session = Session(spec.episode_id)
     turns: list[Turn] = []
     context: list[int] = []  # conversation mode: every id the engine has seen or produced
@@ -212,7 +218,8 @@ async def run_episode(
         )
 
     try:
-        observation, info = await _env_call(env.reset, env_executor, clock, spec.seed)
+        reset = functools.partial(check_reset, env)
+        observation, info = await _env_call(env.reset, env_executor, clock, reset, spec.seed)
         success = bool(info.get("success", False))
         for t in range(max_turns):
             added = chat.turn_prompt(observation, turns)
@@ -237,7 +244,9 @@ async def run_episode(
                     break
                 continue
             try:
-                step = await _env_call(env.step, env_executor, clock, fields["action_text"])
+                step = await _env_call(
+                    env.step, env_executor, clock, checked_step, fields["action_text"]
+                )
             except _EnvFailed:
                 turns.append(Turn(**fields, reward=0.0, action_valid=False, stepped=False))
                 raise

@@ -1,0 +1,144 @@
+"""A malformed env return or a bad reward fails only its episode, naming the env.
+
+Before, a non-string observation, ``info=None``, a 4-tuple or ``reward=None`` ended the
+whole stream with a bare TypeError, and NaN / inf / ``"1.5"`` rewards went silently
+into ``scores``. Now each fails its episode like an env that raises: the group is
+dropped and replaced (``dropped/errored``), and the stream goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollpipe.agent.chat import ChatFormat
+from rollpipe.agent.env_returns import EnvReturnError, check_reset, check_step
+from rollpipe.agent.episode import run_episode
+from rollpipe.agent.records import EpisodeSpec
+from rollpipe.engines.records import SamplingParams
+from rollpipe.envs import FrozenLake, register
+from rollpipe.pipeline import PipelineConfig, RolloutPipeline
+
+SAMPLING = SamplingParams(max_tokens=12, temperature=1.0)
+
+# mode -> (which call, how the return is corrupted, what the error names)
+MODES: dict[str, tuple[str, Any, str]] = {
+    "observation_not_str": ("step", lambda r: (7, *r[1:]), "observation that is not a str"),
+    "info_none": ("step", lambda r: (*r[:4], None), "info that is not a dict"),
+    "four_tuple": ("step", lambda r: r[:4], "other than a 5-tuple"),
+    "reward_none": ("step", lambda r: (r[0], None, *r[2:]), "reward that is not a real number"),
+    "reward_str": ("step", lambda r: (r[0], "1.5", *r[2:]), "reward that is not a real number"),
+    "reward_nan": ("step", lambda r: (r[0], math.nan, *r[2:]), "not finite in float32"),
+    "reward_inf": ("step", lambda r: (r[0], -math.inf, *r[2:]), "not finite in float32"),
+    "reward_1e308": ("step", lambda r: (r[0], 1e308, *r[2:]), "not finite in float32"),
+    "terminated_str": ("step", lambda r: (*r[:2], "yes", *r[3:]), "terminated that is not a bool"),
+    "reset_info_list": ("reset", lambda r: (r[0], []), "info that is not a dict"),
+    "reset_one_value": ("reset", lambda r: r[0], "other than a 2-tuple"),
+}
+
+
+class CorruptLake(FrozenLake):
+    """FrozenLake whose ``reset`` or ``step`` return is corrupted in one way, for the
+    groups whose seed is even (odd ones play normally)."""
+
+    def __init__(self, mode: str = "info_none", **kw: Any) -> None:
+        super().__init__(**kw)
+        self.call, self.corrupt, _ = MODES[mode]
+        self.bad = False
+
+    def reset(self, seed: int) -> Any:
+        self.bad = seed % 2 == 0
+        result = super().reset(seed)
+        return self.corrupt(result) if self.bad and self.call == "reset" else result
+
+    def step(self, action_text: str) -> Any:
+        result = super().step(action_text)
+        return self.corrupt(result) if self.bad and self.call == "step" else result
+
+
+register("corrupt_lake", CorruptLake, overwrite=True)
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_a_malformed_return_fails_the_episode_naming_env_and_field(
+    mode: str, vllm_engine: Any, tokenizer: Any
+) -> None:
+    env = CorruptLake(mode)
+    spec = EpisodeSpec(group_id=0, episode_id=0, seed=2, env="corrupt_lake")
+    chat = ChatFormat(tokenizer)
+    t = asyncio.run(
+        run_episode(spec, env, vllm_engine, chat, sampling=SAMPLING, max_turns=3, max_length=512)
+    )
+    assert t.end_reason == "error"
+    assert "CorruptLake" in t.error and MODES[mode][2] in t.error
+    assert all(math.isfinite(u.reward) for u in t.turns)
+    with pytest.raises(EnvReturnError, match="CorruptLake"):
+        asyncio.run(
+            run_episode(
+                spec,
+                env,
+                vllm_engine,
+                chat,
+                sampling=SAMPLING,
+                max_turns=3,
+                max_length=512,
+                raise_env_errors=True,
+            )
+        )
+
+
+@pytest.mark.parametrize("mode", ["four_tuple", "reward_nan", "reset_one_value"])
+def test_the_stream_goes_on_with_whole_batches(mode: str, vllm_engine: Any, tokenizer: Any) -> None:
+    config = PipelineConfig(
+        envs=[{"name": "corrupt_lake", "config": {"mode": mode}}],
+        group_size=2,
+        batch_size=4,
+        max_turns=2,
+        concurrency=8,
+        seed=3,
+        sampling={"max_tokens": 12},
+    )
+    with RolloutPipeline(config, vllm_engine, tokenizer) as pipe:
+        batches = [pipe.get_batch() for _ in range(2)]
+    errored = sum(b.meta_info["metrics"]["dropped/errored"] for b in batches)
+    assert errored >= 1  # half the seeds are corrupted: some group was dropped
+    for batch in batches:
+        assert len(batch) == 4
+        assert torch.isfinite(batch.batch["scores"]).all()
+        assert torch.isfinite(batch.batch["episode_scores"]).all()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    reward=st.one_of(
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.integers(),
+        st.none(),
+        st.text(max_size=4),
+        st.booleans(),
+    ),
+)
+def test_check_step_accepts_exactly_finite_float32_numbers(reward: Any) -> None:
+    result = ("obs", reward, False, False, {})
+    ok = (
+        isinstance(reward, (int, float))
+        and not isinstance(reward, bool)
+        and math.isfinite(float(reward))
+        and abs(float(reward)) <= 3.4028234663852886e38
+    )
+    if ok:
+        assert check_step(object(), result)[1] == float(reward)
+    else:
+        with pytest.raises(EnvReturnError, match="reward"):
+            check_step(object(), result)
+
+
+def test_check_reset_passes_good_returns_through() -> None:
+    assert check_reset(object(), ("obs", {"a": 1})) == ("obs", {"a": 1})
+    assert check_step(object(), ("o", 1, 0, 1, {})) == ("o", 1.0, False, True, {})
