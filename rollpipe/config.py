@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import attrs
 
-from rollpipe._utils.checks import check_int, float_in, int_at_least, optional
+from rollpipe._utils.checks import check_int, float_in, instance_of, int_at_least, optional
 from rollpipe.agent.chat import DEFAULT_SYSTEM_PROMPT
 from rollpipe.agent.episode import ON_LENGTH
 from rollpipe.engines.records import SamplingParams
@@ -48,6 +48,9 @@ def _envs(value: Any) -> tuple[EnvChoice, ...]:
 def _minus_one_is_none(value: Any) -> Any:
     """ROLL writes "no limit" as -1."""
     return None if isinstance(value, int) and not isinstance(value, bool) and value == -1 else value
+
+
+_STR_OR_NONE: Any = optional(instance_of(str))
 
 
 def _count_or_none(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
@@ -99,8 +102,8 @@ class PipelineConfig:
     sampling: SamplingParams = attrs.field(
         factory=lambda: SamplingParams(max_tokens=48), converter=_sampling
     )
-    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT
-    history_window: int | None = None
+    system_prompt: str | None = attrs.field(default=DEFAULT_SYSTEM_PROMPT, validator=_STR_OR_NONE)
+    history_window: int | None = attrs.field(default=None, validator=optional(int_at_least(0)))
     layout: Literal["native", "roll", "verl"] = attrs.field(
         default="native", validator=attrs.validators.in_(("native", "roll", "verl"))
     )
@@ -115,8 +118,8 @@ class PipelineConfig:
         default=None, converter=_minus_one_is_none, validator=optional(int_at_least(1))
     )
     max_drops_in_a_row: int = attrs.field(default=1000, validator=int_at_least(1))
-    in_order: bool | None = None
-    raise_env_errors: bool = False
+    in_order: bool | None = attrs.field(default=None, validator=optional(instance_of(bool)))
+    raise_env_errors: bool = attrs.field(default=False, validator=instance_of(bool))
     on_length: Literal["step", "skip", "end"] = attrs.field(
         default="step", validator=attrs.validators.in_(ON_LENGTH)
     )

@@ -71,6 +71,14 @@ def build_nodes(
             "batch or collate"
         )
 
+    engine_limit = getattr(engine, "max_model_len", None)
+    if isinstance(engine_limit, int) and config.max_length > engine_limit:
+        raise ValueError(
+            f"PipelineConfig.max_length={config.max_length} is more than the engine's "
+            f"max_model_len={engine_limit}: the first long conversation would fail in the "
+            "engine; lower max_length or build the engine with a larger max_model_len"
+        )
+
     def hooked(stage: Stage, node: BaseNode[Any]) -> BaseNode[Any]:
         return hooks[stage](node) if stage in hooks else node
 

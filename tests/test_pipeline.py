@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import ClassVar
 
@@ -417,3 +418,26 @@ def test_asking_for_data_on_the_engine_loop_raises_not_hangs(vllm_engine, tokeni
         assert next(rollout).episode_id == 0  # from this thread it works
     finally:
         rollout.close()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("raise_env_errors", "no"),
+        ("raise_env_errors", 1),
+        ("in_order", "yes"),
+        ("system_prompt", 123),
+        ("history_window", -1),
+        ("history_window", 1.5),
+        ("async_generation_ratio", 1.5),
+    ],
+)
+def test_bad_config_values_name_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"PipelineConfig\.{field}.*{re.escape(repr(value))}"):
+        PipelineConfig(**{field: value})
+
+
+def test_max_length_beyond_the_engine_is_caught_at_build(vllm_engine, tokenizer) -> None:
+    too_long = vllm_engine.max_model_len + 1
+    with pytest.raises(ValueError, match=rf"max_length={too_long} .* max_model_len="):
+        RolloutPipeline(PipelineConfig(max_length=too_long), vllm_engine, tokenizer)

@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-__all__ = ["check_int", "float_in", "int_at_least", "optional"]
+__all__ = ["check_int", "float_in", "instance_of", "int_at_least", "optional"]
 
 optional = attrs.validators.optional
 
@@ -43,6 +43,21 @@ def float_in(low: float, high: float = math.inf, *, low_open: bool = False) -> A
             raise ValueError(
                 f"{type(inst).__name__}.{attr.name} must be a number in {lo}{low}, {high}], "
                 f"got {value!r}"
+            )
+
+    return check
+
+
+def instance_of(*types: type) -> Any:
+    """A value of one of ``types`` (a bool is not an int here, nor an int a bool)."""
+    names = " or ".join(t.__name__ for t in types)
+
+    def check(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+        ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+        if not ok:
+            raise ValueError(
+                f"{type(inst).__name__}.{attr.name} must be {names}, got {value!r} "
+                f"({type(value).__name__})"
             )
 
     return check
