@@ -39,6 +39,7 @@ BENCHMARKS = (
     "collate",
     "on_policy",
     "pool",
+    "remote",
 )
 NEEDS_ENGINE = {"efficiency", "long_tail", "concurrency", "pause", "overhead", "on_policy"}
 LEVELS = (1, 8, 64, 256)
@@ -91,6 +92,12 @@ SUMMARY = (
     ("8", "Pool: longest request spanning a shrink", "pool_shrink_stall_ms", "—", "{:.0f} ms"),
     ("8", "Pool: 2 ÷ 1 engines, in-process", "pool_inproc_ratio", "—", "{:.2f}×"),
     ("8", "Pool: 2 ÷ 1 engines, multiprocess", "pool_multiprocess_ratio", "—", "{:.2f}×"),
+    ("9", "RayEngine ÷ in-process tokens/s", "remote_ray_ratio", "—", "{:.2f}×"),
+    ("9", "ServerEngine ÷ in-process tokens/s", "remote_server_ratio", "—", "{:.2f}×"),
+    ("9", "Payload across the process boundary", "remote_bytes_per_batch", "—", "{:.0f} B/batch"),
+    ("9", "Weight sync through Ray, tiny model", "remote_ray_weight_sync_ms", "—", "{:.0f} ms"),
+    ("9", "Object store put + read, one node", "remote_object_store_gb_per_s", "—", "{:.2f} GB/s"),
+    ("9", "Weight sync, 7B bf16 (estimate)", "remote_weight_sync_7b_s", "—", "{:.0f} s"),
 )
 
 
