@@ -84,6 +84,10 @@ class PipelineConfig:
     unless ``in_order`` says otherwise); a granted group not started within
     ``async_generation_ratio`` steps expires (``dropped/expired``), as in ROLL.
 
+    ``env_backend="ray"`` runs each env slot's env in a Ray actor (for heavy envs or
+    isolation: a crashed worker fails only its episode and is replaced; see
+    ``rollpipe.envs.ray_env``); ``"local"`` (default) runs them in this process.
+
     ``layout``: ``"native"`` rows (``rollpipe.data.rows``), ``"roll"`` (ROLL's agentic
     field names, dtypes and placement: ``DataProto.to_roll()``) or ``"verl"`` (a real
     ``verl.protocol.DataProto`` in verl's agent-loop layout: ``to_verl()``, needs verl).
@@ -99,6 +103,9 @@ class PipelineConfig:
     max_length: int = attrs.field(default=1024, validator=int_at_least(1))
     concurrency: int = attrs.field(default=32, validator=int_at_least(1))
     env_workers: int = attrs.field(default=0, validator=int_at_least(0))
+    env_backend: Literal["local", "ray"] = attrs.field(
+        default="local", validator=attrs.validators.in_(("local", "ray"))
+    )
     sampling: SamplingParams = attrs.field(
         factory=lambda: SamplingParams(max_tokens=48), converter=_sampling
     )

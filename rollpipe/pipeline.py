@@ -111,6 +111,7 @@ def build_nodes(
         raise_env_errors=config.raise_env_errors,
         on_length=config.on_length,
         length_penalty=config.length_penalty,
+        env_factory=_env_factory(config),
     )
     groups = GroupAssembler(
         hooked("rollout", rollout),
@@ -138,6 +139,16 @@ def build_nodes(
         rows = Mapper(rows, methodcaller(f"to_{config.layout}"))
     root: Pausable[DataProto] = Pausable(rows, pause_controller)
     return PipelineNodes(signals, pause_controller, source, rollout, groups, batch, collate, root)
+
+
+def _env_factory(config: PipelineConfig) -> Any:
+    """``env_backend="ray"``: each env slot's env in a Ray actor (``rollpipe.envs.ray_env``);
+    ``"local"``: the registry's env in this process (None: the Rollout's default)."""
+    if config.env_backend == "local":
+        return None
+    from rollpipe.envs.ray_env import ray_env_factory
+
+    return ray_env_factory()
 
 
 def _global_step(data: DataProto | None) -> int | None:
