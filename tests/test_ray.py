@@ -5,6 +5,7 @@ One local cluster (``ray.init(num_cpus=4)``) and one pool of two actors per modu
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import threading
 import time
@@ -145,12 +146,43 @@ def test_a_killed_actor_loses_no_trajectory_and_is_reported(
     assert pool.active_ranks == [0, 1] and pool.failures() == {}
 
 
-def test_close_leaves_no_actor_behind(cluster: None, tiny_model_path: Path) -> None:
+def test_pause_modes_weights_and_close_through_the_actor(
+    cluster: None, tiny_model_path: Path
+) -> None:
+    """keep: frozen requests continue after an update, their tokens labelled with both
+    versions; abort: in-flight requests end with their partial tokens; close: the
+    actor's process ends."""
+    from transformers import AutoModelForCausalLM
+
     make = functools.partial(VLLMEngine, str(tiny_model_path), kv_cache_space_gib=0.25)
     engine = RayEngine(make, num_cpus=1)
     pid = actor_pid(engine)
-    (gen,) = engine.generate_batch([[5, 6, 7]], GREEDY)
-    assert len(gen.token_ids) == 10
+    state = AutoModelForCausalLM.from_pretrained(str(tiny_model_path)).state_dict()
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+    async def in_flight() -> list[asyncio.Future[Any]]:
+        tasks = [asyncio.ensure_future(engine.generate([5, 6, 7, 8], long)) for _ in range(2)]
+        await engine.generate([5, 6], GREEDY.replace(max_tokens=2))  # both are running now
+        return tasks
+
+    async def main() -> tuple[list[Any], list[Any], int]:
+        tasks = await in_flight()
+        await asyncio.to_thread(engine.pause, "keep")
+        version = await asyncio.to_thread(engine.update_weights, state)
+        await asyncio.to_thread(engine.resume)
+        kept = list(await asyncio.gather(*tasks))
+        tasks = await in_flight()
+        await asyncio.to_thread(engine.pause, "abort")
+        aborted = list(await asyncio.gather(*tasks))
+        await asyncio.to_thread(engine.resume)
+        return kept, aborted, version
+
+    kept, aborted, version = asyncio.run(main())
+    for gen in kept:
+        assert len(gen.token_ids) == 400 and set(gen.versions) == {version - 1, version}
+    for gen in aborted:
+        assert gen.finish_reason == "abort" and 0 < len(gen.token_ids) < 400
+        assert set(gen.versions) == {version}
     engine.close()
     assert gone(pid), "the actor outlived close()"
     with pytest.raises(ray.exceptions.RayActorError):
