@@ -1,0 +1,144 @@
+"""build_nodes: the standard chain, wired functionally from one ``PipelineConfig``.
+
+    EpisodeSource → Rollout → GroupAssembler → Batch → Collate → Pausable
+
+``hooks`` insert your own nodes after any stage. ``RolloutPipeline`` (``pipeline.py``)
+wraps the chain in a ``torchdata.nodes.Loader``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from operator import methodcaller
+from typing import Any, Literal
+
+import attrs
+from torchdata.nodes import BaseNode, Mapper
+
+from rollpipe.agent.chat import ChatFormat
+from rollpipe.config import PipelineConfig
+from rollpipe.data.proto import DataProto
+from rollpipe.engines.protocol import Engine
+from rollpipe.nodes.batch import Batch
+from rollpipe.nodes.collate import Collate
+from rollpipe.nodes.episode_source import EpisodeSource
+from rollpipe.nodes.groups import GroupAssembler
+from rollpipe.nodes.pausable import Pausable, PauseController
+from rollpipe.nodes.rollout import Rollout
+from rollpipe.nodes.signals import RolloutControl
+
+__all__ = ["NodeHook", "PipelineNodes", "Stage", "build_nodes"]
+
+Stage = Literal["source", "rollout", "groups", "batch", "collate"]
+NodeHook = Callable[[BaseNode[Any]], BaseNode[Any]]
+
+
+@attrs.frozen
+class PipelineNodes:
+    """The wired stages, for users who want to hold or extend them."""
+
+    signals: RolloutControl  # admission gate, cancellations, replacements (flow upstream)
+    pause_controller: PauseController  # suspend / resume / update_weights
+    source: EpisodeSource
+    rollout: Rollout
+    groups: GroupAssembler
+    batch: Batch
+    collate: Collate
+    root: BaseNode[DataProto]
+
+
+def build_nodes(
+    config: PipelineConfig,
+    engine: Engine,
+    tokenizer: Any,
+    *,
+    hooks: Mapping[Stage, NodeHook] | None = None,
+) -> PipelineNodes:
+    """Wire the standard chain. ``hooks[stage]`` wraps that stage's output node, e.g.
+    ``{"rollout": lambda n: torchdata.nodes.Mapper(n, add_reward_model_score)}``."""
+    hooks = dict(hooks or {})
+    unknown = sorted(set(hooks) - {"source", "rollout", "groups", "batch", "collate"})
+    if unknown:
+        raise ValueError(
+            f"build_nodes: unknown hook stages {unknown}; use source, rollout, groups, "
+            "batch or collate"
+        )
+
+    engine_limit = getattr(engine, "max_model_len", None)
+    if isinstance(engine_limit, int) and config.max_length > engine_limit:
+        raise ValueError(
+            f"PipelineConfig.max_length={config.max_length} is more than the engine's "
+            f"max_model_len={engine_limit}: the first long conversation would fail in the "
+            "engine; lower max_length or build the engine with a larger max_model_len"
+        )
+
+    def hooked(stage: Stage, node: BaseNode[Any]) -> BaseNode[Any]:
+        return hooks[stage](node) if stage in hooks else node
+
+    signals = RolloutControl()
+    pause_controller = PauseController(engine, signals)
+    chat = ChatFormat(
+        tokenizer, system_prompt=config.system_prompt, history_window=config.history_window
+    )
+    source = EpisodeSource(
+        config.num_groups,
+        config.group_size,
+        config.seed,
+        config.envs,
+        redundancy=config.redundancy,
+        control=signals,
+        metered=config.async_generation_ratio is not None,
+        expire_after=config.async_generation_ratio,
+    )
+    rollout = Rollout(
+        hooked("source", source),
+        engine,
+        chat,
+        sampling=config.sampling,
+        max_turns=config.max_turns,
+        max_length=config.max_length,
+        concurrency=config.concurrency,
+        env_workers=config.env_workers,
+        in_order=config.admission_order,
+        control=signals,
+        raise_env_errors=config.raise_env_errors,
+        on_length=config.on_length,
+        length_penalty=config.length_penalty,
+        env_factory=_env_factory(config),
+    )
+    groups = GroupAssembler(
+        hooked("rollout", rollout),
+        config.group_size,
+        redundancy=config.redundancy,
+        keep_group=config.keep_group,
+        drop_group=config.drop_group,
+        max_staleness=config.async_generation_ratio,
+        current_version=lambda: engine.version,
+        control=signals,
+        max_drops_in_a_row=config.max_drops_in_a_row,
+    )
+    batch = Batch(hooked("groups", groups), config.batch_size)
+    pad_id = (
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    )
+    collate = Collate(
+        hooked("batch", batch),
+        pad_id,
+        pad_to_multiple_of=config.pad_to_multiple_of,
+        level=config.level,
+    )
+    rows: BaseNode[Any] = hooked("collate", collate)
+    if config.layout != "native":  # ROLL's or verl's layout, converted once per batch
+        rows = Mapper(rows, methodcaller(f"to_{config.layout}"))
+    root: Pausable[DataProto] = Pausable(rows, pause_controller)
+    return PipelineNodes(signals, pause_controller, source, rollout, groups, batch, collate, root)
+
+
+def _env_factory(config: PipelineConfig) -> Any:
+    """``env_backend="ray"``: each env slot's env in a Ray actor (``rollpipe.envs.ray_env``);
+    ``"local"``: the registry's env in this process (None: the Rollout's default)."""
+    if config.env_backend == "local":
+        return None
+    from rollpipe.envs.ray_env import ray_env_factory
+
+    return ray_env_factory()
