@@ -244,7 +244,9 @@ def test_pause_abort_returns_partial_tokens_and_holds_new_requests(
     v = engine.version
 
     async def main() -> tuple[list[Generation], Generation]:
-        tasks = await start_then_probe(engine, prompts * 4, LONG)
+        # 32 requests of up to 1900 tokens: far longer than the probe and the pause take,
+        # even on an idle machine (4 x 1000 tokens finished before the pause once)
+        tasks = await start_then_probe(engine, prompts * 8, LONG.replace(max_tokens=1900))
         await asyncio.to_thread(engine.pause, "abort")
         gens = list(await asyncio.wait_for(asyncio.gather(*tasks), 30))
         assert json.loads(server_get(server, "/is_paused"))["is_paused"] is True
@@ -257,7 +259,7 @@ def test_pause_abort_returns_partial_tokens_and_holds_new_requests(
     gens, later = asyncio.run(main())
     for g in gens:
         assert g.finish_reason == "abort"
-        assert 0 < len(g.token_ids) < 1000
+        assert 0 < len(g.token_ids) < 1900
         assert len(g.logprobs) == len(g.versions) == len(g.token_ids)
         assert set(g.versions) == {v}
     check_generation(later, 12, v)
@@ -319,7 +321,7 @@ def test_without_server_control_keep_and_weights_are_not_supported(
         assert shared.version == 0
 
         async def main() -> tuple[list[Generation], Generation]:
-            tasks = await start_then_probe(shared, prompts, LONG)
+            tasks = await start_then_probe(shared, prompts * 8, LONG.replace(max_tokens=1900))
             await asyncio.to_thread(shared.pause, "abort")  # client side: connections closed
             gens = list(await asyncio.wait_for(asyncio.gather(*tasks), 30))
             later = asyncio.ensure_future(shared.generate(prompts[0], GREEDY))
