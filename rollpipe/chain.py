@@ -99,6 +99,7 @@ def build_nodes(
         max_length=config.max_length,
         concurrency=config.concurrency,
         env_workers=config.env_workers,
+        env_timeout_s=config.env_timeout_s,
         in_order=config.admission_order,
         control=signals,
         raise_env_errors=config.raise_env_errors,

@@ -12,9 +12,16 @@ from typing import Any, Literal
 
 import attrs
 
-from rollpipe._utils.checks import check_int, float_in, instance_of, int_at_least, optional
+from rollpipe._utils.checks import (
+    check_int,
+    float_in,
+    instance_of,
+    int_at_least,
+    one_of,
+    optional,
+)
 from rollpipe.agent.chat import DEFAULT_SYSTEM_PROMPT
-from rollpipe.agent.episode import ON_LENGTH
+from rollpipe.agent.episode import DEFAULT_ENV_TIMEOUT_S, ON_LENGTH
 from rollpipe.engines.records import SamplingParams
 from rollpipe.envs import available as available_envs
 from rollpipe.nodes.episode_source import EnvChoice, as_env_choices
@@ -26,23 +33,52 @@ __all__ = ["PipelineConfig"]
 def _sampling(value: SamplingParams | Mapping[str, Any]) -> SamplingParams:
     if isinstance(value, SamplingParams):
         return value
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            f"PipelineConfig.sampling must be a SamplingParams or a dict of its fields "
+            f"(e.g. {{'max_tokens': 48}}), got {value!r}"
+        )
     valid = sorted(f.name for f in attrs.fields(SamplingParams))
     unknown = sorted(set(value) - set(valid))
     if unknown:
         raise ValueError(f"PipelineConfig.sampling: unknown keys {unknown}; valid keys: {valid}")
-    return SamplingParams(**value)
+    try:
+        return SamplingParams(**value)
+    except ValueError as exc:
+        raise ValueError(f"PipelineConfig.sampling: {exc}") from exc
+
+
+_ENVS_HINT = (
+    "give an env name, an EnvChoice, or a list of them or of dicts "
+    "{name: ..., config: {...}, weight: 1.0, tag: ...}"
+)
 
 
 def _envs(value: Any) -> tuple[EnvChoice, ...]:
     if isinstance(value, (str, EnvChoice)):
         value = [value]
-    items = [EnvChoice(**v) if isinstance(v, Mapping) else v for v in value]
-    choices = as_env_choices(items)
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"PipelineConfig.envs: got {value!r}; {_ENVS_HINT}")
+    try:
+        items = [_env_choice(v) for v in value]
+        choices = as_env_choices(items)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"PipelineConfig.envs: {exc}; {_ENVS_HINT}") from exc
     known = available_envs()
     for c in choices:
         if c.name not in known:
             raise ValueError(f"PipelineConfig.envs: unknown env {c.name!r}; registered: {known}")
     return choices
+
+
+def _env_choice(value: Any) -> EnvChoice | str:
+    if isinstance(value, Mapping):
+        if not isinstance(value.get("config", {}), Mapping):
+            raise ValueError(f"an env's config must be a dict, got {value['config']!r}")
+        return EnvChoice(**value)
+    if not isinstance(value, (str, EnvChoice)):
+        raise ValueError(f"an env must be a name, an EnvChoice or a dict, got {value!r}")
+    return value
 
 
 def _minus_one_is_none(value: Any) -> Any:
@@ -51,6 +87,7 @@ def _minus_one_is_none(value: Any) -> Any:
 
 
 _STR_OR_NONE: Any = optional(instance_of(str))
+_SECONDS_OR_NONE: Any = optional(float_in(0.0, low_open=True))
 
 
 def _count_or_none(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
@@ -88,6 +125,12 @@ class PipelineConfig:
     isolation: a crashed worker fails only its episode and is replaced; see
     ``rollpipe.envs.ray_env``); ``"local"`` (default) runs them in this process.
 
+    ``env_timeout_s`` limits each env ``reset`` / ``step`` call (default 60 s; None: no
+    limit): a call over it ends its episode as errored (the group is handled like any
+    errored group) while every other episode and the engine go on. Envs run on env
+    threads (``env_workers``; 0: one per episode in flight), off the event loop, unless
+    the env declares ``blocking = False`` (the built-in grid envs), which runs inline.
+
     ``layout``: ``"native"`` rows (``rollpipe.data.rows``), ``"roll"`` (ROLL's agentic
     field names, dtypes and placement: ``DataProto.to_roll()``) or ``"verl"`` (a real
     ``verl.protocol.DataProto`` in verl's agent-loop layout: ``to_verl()``, needs verl).
@@ -103,8 +146,11 @@ class PipelineConfig:
     max_length: int = attrs.field(default=1024, validator=int_at_least(1))
     concurrency: int = attrs.field(default=32, validator=int_at_least(1))
     env_workers: int = attrs.field(default=0, validator=int_at_least(0))
+    env_timeout_s: float | None = attrs.field(
+        default=DEFAULT_ENV_TIMEOUT_S, validator=_SECONDS_OR_NONE
+    )
     env_backend: Literal["local", "ray"] = attrs.field(
-        default="local", validator=attrs.validators.in_(("local", "ray"))
+        default="local", validator=one_of("local", "ray")
     )
     sampling: SamplingParams = attrs.field(
         factory=lambda: SamplingParams(max_tokens=48), converter=_sampling
@@ -112,10 +158,10 @@ class PipelineConfig:
     system_prompt: str | None = attrs.field(default=DEFAULT_SYSTEM_PROMPT, validator=_STR_OR_NONE)
     history_window: int | None = attrs.field(default=None, validator=optional(int_at_least(0)))
     layout: Literal["native", "roll", "verl"] = attrs.field(
-        default="native", validator=attrs.validators.in_(("native", "roll", "verl"))
+        default="native", validator=one_of("native", "roll", "verl")
     )
     level: Literal["trajectory", "step"] = attrs.field(
-        default="trajectory", validator=attrs.validators.in_(("trajectory", "step"))
+        default="trajectory", validator=one_of("trajectory", "step")
     )
     pad_to_multiple_of: int | None = attrs.field(default=None, validator=optional(int_at_least(1)))
     keep_group: str | GroupRule | None = attrs.field(default=None, validator=check_group_rule)
@@ -128,7 +174,7 @@ class PipelineConfig:
     in_order: bool | None = attrs.field(default=None, validator=optional(instance_of(bool)))
     raise_env_errors: bool = attrs.field(default=False, validator=instance_of(bool))
     on_length: Literal["step", "skip", "end"] = attrs.field(
-        default="step", validator=attrs.validators.in_(ON_LENGTH)
+        default="step", validator=one_of(*ON_LENGTH)
     )
     length_penalty: float | None = attrs.field(
         default=None, validator=optional(float_in(-math.inf))

@@ -322,7 +322,13 @@ def test_env_error_is_recorded(hf_engine: Any, tokenizer: Any, fail_at: int) -> 
         )
     )
     assert t.end_reason == "error"
-    assert t.error == ("OSError('reset failed')" if fail_at == 0 else "RuntimeError('boom')")
+    call, turn = ("reset", 0) if fail_at == 0 else ("step", 1)
+    raised = "OSError('reset failed')" if fail_at == 0 else "RuntimeError('boom')"
+    s = spec()  # the text says what was raised, then where: env, seed, episode and turn
+    assert t.error == (
+        f"{raised} (in FailingLake.{call}: env {s.env!r}, seed {s.seed}, episode "
+        f"{s.episode_id}, turn {turn}, env_timeout_s=60.0)"
+    )
     assert len(t.turns) == (0 if fail_at == 0 else 2)
     if fail_at == 2:  # the failed step's response is kept, marked as not stepped
         assert t.turns[0].stepped and not t.turns[1].stepped

@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-__all__ = ["check_int", "float_in", "instance_of", "int_at_least", "optional"]
+__all__ = ["check_int", "float_in", "instance_of", "int_at_least", "one_of", "optional"]
 
 optional = attrs.validators.optional
 
@@ -58,6 +58,18 @@ def instance_of(*types: type) -> Any:
             raise ValueError(
                 f"{type(inst).__name__}.{attr.name} must be {names}, got {value!r} "
                 f"({type(value).__name__})"
+            )
+
+    return check
+
+
+def one_of(*choices: object) -> Any:
+    """One of ``choices`` (compared with ``==``, a bool never standing for 0 or 1)."""
+
+    def check(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+        if isinstance(value, bool) or not any(value == c for c in choices):
+            raise ValueError(
+                f"{type(inst).__name__}.{attr.name} must be one of {choices}, got {value!r}"
             )
 
     return check

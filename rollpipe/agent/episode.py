@@ -1,9 +1,11 @@
 """run_episode: one episode as a coroutine — reset, then (prompt -> engine -> step) turns.
 
 Many episodes run concurrently on one event loop; their requests reach the engine
-together and its continuous batching does the batching. A ``TextEnv``'s calls run in
-``env_executor`` when one is given (blocking envs), else inline on the loop (fast envs);
-``AsyncTextEnv`` methods are awaited directly.
+together and its continuous batching does the batching. A ``TextEnv``'s calls run on
+``env_threads`` (:class:`~rollpipe.agent.env_threads.EnvThreads`), never on the loop,
+unless the env declares ``blocking = False`` (the built-in grid envs: fast, pure Python),
+which runs them inline; ``AsyncTextEnv`` methods are awaited directly. Every call is
+limited to ``env_timeout_s`` seconds (None: no limit).
 
 Outcomes, each defined (never a hang):
 
@@ -11,9 +13,11 @@ Outcomes, each defined (never a hang):
 * ``max_turns`` turns taken -> ``"max_turns"``;
 * the next prompt leaves no room to generate within ``max_length`` (also at turn 0,
   giving a trajectory with no turns) -> ``"max_length"``;
-* the env raises, or reports malformed ``info["metrics"]`` -> ``"error"`` with the
-  exception's repr (or re-raised with ``raise_env_errors=True``); engine errors always
-  propagate;
+* the env raises, returns something malformed (see ``env_returns``), reports malformed
+  ``info["metrics"]`` or a call outlives ``env_timeout_s`` -> ``"error"``; the error
+  text is the exception's repr followed by where: env class and call, env name, seed,
+  episode and turn (re-raised instead with ``raise_env_errors=True``); engine errors
+  always propagate;
 * a response cut at ``max_tokens`` (finish_reason ``"length"``): ``on_length="step"``
   (default, as ROLL) hands the cut text to the env like any other response, and the
   env's reward is all it gets; ``"skip"`` does not step the env — the turn gets
@@ -29,7 +33,6 @@ env managers do (see :mod:`rollpipe.envs.metrics`).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import inspect
 import math
@@ -40,10 +43,12 @@ from typing import Any, Literal, TypeVar
 from rollpipe._utils.seeding import derive_seed
 from rollpipe.agent.chat import ChatFormat
 from rollpipe.agent.env_returns import check_reset, check_step
+from rollpipe.agent.env_threads import EnvLease, EnvThreads, EnvTimeoutError
 from rollpipe.agent.records import EndReason, EpisodeSpec, Trajectory, Turn
 from rollpipe.engines.protocol import Engine
 from rollpipe.engines.records import EngineError, Generation, SamplingParams
 from rollpipe.engines.routing import Session, in_session
+from rollpipe.envs.base import is_blocking
 from rollpipe.envs.metrics import aggregate_metrics, step_metrics
 
 T = TypeVar("T")
@@ -53,11 +58,19 @@ DEFAULT_LENGTH_PENALTY = -0.1
 """The reward of a cut turn under ``on_length="skip"`` / ``"end"`` (never under ``"step"``)."""
 
 
-class _EnvFailed(Exception):
-    """Internal: wraps an exception raised by the env (``error``)."""
+DEFAULT_ENV_TIMEOUT_S = 60.0
+"""Default limit of one ``reset`` / ``step`` call (``PipelineConfig.env_timeout_s``)."""
 
-    def __init__(self, error: Exception) -> None:
-        super().__init__(repr(error))
+
+class _EnvFailed(Exception):
+    """Internal: wraps an exception raised by the env (``error``), with where it happened."""
+
+    def __init__(self, error: Exception, where: str) -> None:
+        if isinstance(error, EnvTimeoutError):
+            text = f"EnvTimeoutError({where}: {error}; raise env_timeout_s or fix the env)"
+        else:
+            text = f"{error!r} (in {where})"
+        super().__init__(text)
         self.error = error
 
 
@@ -68,29 +81,67 @@ class _Clock:
         self.aborted_tokens = 0  # generated, then aborted by a pause and regenerated
 
 
-async def _env_call(
-    fn: Callable[..., Any],
-    executor: concurrent.futures.Executor | None,
-    clock: _Clock,
-    check: Callable[[Any], T],
-    *args: Any,
-) -> T:
-    """``fn(*args)`` (awaited, inline or in ``executor``), its return ``check``ed; any
-    failure of the env, a malformed return included, becomes ``_EnvFailed``."""
-    start = time.perf_counter()
-    try:
-        if inspect.iscoroutinefunction(fn):
-            return check(await fn(*args))
-        if executor is None:  # inline on the loop: cheaper than a thread hop for fast envs
-            result = fn(*args)
-        else:
-            call = functools.partial(fn, *args)
-            result = await asyncio.get_running_loop().run_in_executor(executor, call)
-        return check(await result if inspect.isawaitable(result) else result)
-    except Exception as exc:  # the env's failure, whatever it is
-        raise _EnvFailed(exc) from exc
-    finally:
-        clock.env += time.perf_counter() - start
+class _EnvCaller:
+    """How one episode calls its env: awaited (async env), inline (declared
+    ``blocking = False``) or on ``threads`` (any other), each call limited to ``timeout``
+    seconds and its return ``check``ed. Any failure becomes ``_EnvFailed``."""
+
+    def __init__(
+        self,
+        env: Any,
+        spec: EpisodeSpec,
+        threads: EnvThreads,
+        timeout: float | None,
+        lease: EnvLease | None,
+        force_threads: bool,
+        clock: _Clock,
+    ) -> None:
+        self.env, self.spec, self.threads, self.timeout = env, spec, threads, timeout
+        self.lease, self.clock = lease, clock
+        self.inline = not force_threads and not is_blocking(env)
+
+    def where(self, name: str, turn: int) -> str:
+        limit = f", env_timeout_s={self.timeout}" if self.timeout is not None else ""
+        return (
+            f"{type(self.env).__name__}.{name}: env {self.spec.env!r}, seed {self.spec.seed}, "
+            f"episode {self.spec.episode_id}, turn {turn}{limit}"
+        )
+
+    async def __call__(self, name: str, turn: int, check: Callable[[Any], T], arg: Any) -> T:
+        fn = getattr(self.env, name)
+        start = time.perf_counter()
+        try:
+            if inspect.iscoroutinefunction(fn):
+                result = await self._awaited(fn(arg))
+            elif self.inline:  # declared fast: cheaper than a thread hop
+                result = fn(arg)
+                self._check_inline_time(time.perf_counter() - start)
+            else:
+                if self.lease is not None:
+                    self.lease.call_started()
+                on_return = None if self.lease is None else self.lease.call_returned
+                result = await self.threads.call(fn, arg, timeout=self.timeout, on_return=on_return)
+            return check(await self._awaited(result) if inspect.isawaitable(result) else result)
+        except Exception as exc:  # the env's failure, whatever it is
+            raise _EnvFailed(exc, self.where(name, turn)) from exc
+        finally:
+            self.clock.env += time.perf_counter() - start
+
+    async def _awaited(self, awaitable: Any) -> Any:
+        if self.timeout is None:
+            return await awaitable
+        try:
+            return await asyncio.wait_for(awaitable, self.timeout)
+        except TimeoutError:
+            raise EnvTimeoutError(f"no return within {self.timeout} s") from None
+
+    def _check_inline_time(self, elapsed: float) -> None:
+        if self.timeout is not None and elapsed > self.timeout:
+            raise EnvTimeoutError(
+                f"took {elapsed:.2f} s inline on the event loop (over {self.timeout} s), "
+                f"stalling every episode: {type(self.env).__name__} declares blocking = False; "
+                "remove that declaration so its calls run on env threads"
+            )
 
 
 async def _generate(
@@ -151,7 +202,10 @@ async def run_episode(
     max_length: int,
     env_id: int = 0,
     admit: Callable[[], Awaitable[None]] | None = None,
-    env_executor: concurrent.futures.Executor | None = None,
+    env_threads: EnvThreads | None = None,
+    env_timeout_s: float | None = DEFAULT_ENV_TIMEOUT_S,
+    env_lease: EnvLease | None = None,
+    env_calls_on_threads: bool = False,
     raise_env_errors: bool = False,
     on_length: OnLength = "step",
     length_penalty: float | None = None,
@@ -169,7 +223,18 @@ async def run_episode(
     closed (the caller owns it). ``length_penalty`` (default ``DEFAULT_LENGTH_PENALTY``)
     is the reward of a cut turn under ``on_length="skip"``/``"end"``; with ``"step"``
     giving one is an error, since the env alone rewards a cut response there.
+
+    Env calls: see the module doc. Without ``env_threads`` a blocking env gets one
+    thread of its own for this episode. ``env_lease`` (the rollout's) is told when a call
+    on a thread starts and returns, so the env is reused only once no call of it runs;
+    ``env_calls_on_threads`` sends even ``blocking = False`` envs to the threads.
     """
+    if env_timeout_s is not None and not (
+        isinstance(env_timeout_s, (int, float)) and 0 < env_timeout_s < math.inf
+    ):
+        raise ValueError(
+            f"env_timeout_s must be a number of seconds > 0 or None, got {env_timeout_s!r}"
+        )
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
     if max_length < 2:
@@ -185,6 +250,9 @@ async def run_episode(
     if not math.isfinite(penalty):
         raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
     clock = _Clock()
+    own_threads = env_threads is None  # run_episode alone: one thread, if the env blocks
+    threads = EnvThreads(1, "rollpipe-episode-env") if env_threads is None else env_threads
+    call_env = _EnvCaller(env, spec, threads, env_timeout_s, env_lease, env_calls_on_threads, clock)
     checked_step = functools.partial(check_step, env)
     session = Session(spec.episode_id)
     turns: list[Turn] = []
@@ -219,7 +287,7 @@ async def run_episode(
 
     try:
         reset = functools.partial(check_reset, env)
-        observation, info = await _env_call(env.reset, env_executor, clock, reset, spec.seed)
+        observation, info = await call_env("reset", 0, reset, spec.seed)
         success = bool(info.get("success", False))
         for t in range(max_turns):
             added = chat.turn_prompt(observation, turns)
@@ -244,9 +312,7 @@ async def run_episode(
                     break
                 continue
             try:
-                step = await _env_call(
-                    env.step, env_executor, clock, checked_step, fields["action_text"]
-                )
+                step = await call_env("step", t, checked_step, fields["action_text"])
             except _EnvFailed:
                 turns.append(Turn(**fields, reward=0.0, action_valid=False, stepped=False))
                 raise
@@ -258,7 +324,7 @@ async def run_episode(
             try:
                 step_values, modes = step_metrics(info)
             except ValueError as exc:  # the env's bug: recorded like an env error
-                raise _EnvFailed(exc) from exc
+                raise _EnvFailed(exc, call_env.where("step", t)) from exc
             metrics.append(step_values)
             agg_modes.update(modes)
             if terminated or truncated:
@@ -268,4 +334,7 @@ async def run_episode(
         if raise_env_errors:
             raise failed.error from None
         end_reason, error = "error", str(failed)
+    finally:
+        if own_threads:
+            threads.close(0.0)  # its thread ends once idle (or once a hung call returns)
     return done(end_reason, error)

@@ -314,13 +314,31 @@ def _tag_drops(value: Mapping[str, Mapping[str, int]]) -> dict[str, dict[str, in
     return {str(tag): _drops(counts) for tag, counts in dict(value).items()}
 
 
+def _errors(value: Iterable[Mapping[str, Any]]) -> tuple[dict[str, Any], ...]:
+    return tuple(dict(e) for e in value)
+
+
+def error_entry(traj: Trajectory) -> dict[str, Any]:
+    """What a user reads about an errored trajectory (``meta_info["env_errors"]``)."""
+    return {
+        "env": traj.spec.env,
+        "tag": traj.tag,
+        "seed": traj.spec.seed,
+        "group_id": traj.group_id,
+        "episode_id": traj.spec.episode_id,
+        "turn": max(len(traj.turns) - 1, 0),  # the turn it failed in (0: reset, or turn 0)
+        "message": traj.error or "",
+    }
+
+
 @attrs.frozen
 class Group:
     """The trajectories of one group id, plus counts of what was dropped before it.
 
     ``drops`` counts by reason; ``tag_drops`` splits the same counts by env tag
-    (``{tag: {reason: n}}``), so per-tag metrics can report them. Neither takes part in
-    equality.
+    (``{tag: {reason: n}}``), so per-tag metrics can report them; ``errors`` holds the
+    most recent errored trajectories behind them (``error_entry``: env, seed, turn,
+    message). None takes part in equality.
     """
 
     group_id: int = attrs.field(validator=int_at_least(0))
@@ -329,6 +347,7 @@ class Group:
     tag_drops: Mapping[str, Mapping[str, int]] = attrs.field(
         factory=dict, converter=_tag_drops, eq=False
     )
+    errors: tuple[Mapping[str, Any], ...] = attrs.field(default=(), converter=_errors, eq=False)
 
     def __attrs_post_init__(self) -> None:
         wrong = [t.traj_id for t in self.trajectories if t.group_id != self.group_id]
@@ -358,9 +377,11 @@ class Group:
             "trajectories": [t.to_state() for t in self.trajectories],
             "drops": dict(self.drops),
             "tag_drops": {tag: dict(counts) for tag, counts in self.tag_drops.items()},
+            "errors": [dict(e) for e in self.errors],
         }
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> Group:
         trajectories = tuple(Trajectory.from_state(t) for t in state["trajectories"])
-        return cls(state["group_id"], trajectories, state["drops"], state.get("tag_drops", {}))
+        tag_drops, errors = state.get("tag_drops", {}), state.get("errors", ())
+        return cls(state["group_id"], trajectories, state["drops"], tag_drops, errors)

@@ -75,6 +75,10 @@ def keys_arg(keys: str | Iterable[str] | None, what: str) -> list[str] | None:
         return None
     if isinstance(keys, str):
         return [keys]
+    if not isinstance(keys, Iterable):
+        raise ValueError(
+            f"{what} must be a str, a list of str or None, got {keys!r} ({type(keys).__name__})"
+        )
     out = list(keys)
     for k in out:
         if not isinstance(k, str):
@@ -135,6 +139,8 @@ def coerce_columns(
     out: dict[str, Any] = {}
     pivot = "the DataProto"
     for key, value in columns.items():
+        if not isinstance(key, str):
+            raise ValueError(f"column names must be str, got {key!r} ({type(key).__name__})")
         out[key], rows = column_rows(key, value)
         if n is None:
             n, pivot = rows, repr(key)

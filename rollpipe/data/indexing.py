@@ -78,6 +78,11 @@ def check_permutation(idx: np.ndarray, n: int) -> np.ndarray:
 def repeat_counts(repeat_times: Sequence[int] | np.ndarray | Tensor, n: int) -> np.ndarray:
     """One non-negative int64 count per row (for ``sample_level_repeat``)."""
     raw = repeat_times.cpu().numpy() if isinstance(repeat_times, Tensor) else repeat_times
+    if not isinstance(raw, (Sequence, np.ndarray)) or isinstance(raw, str):
+        raise ValueError(
+            f"sample_level_repeat needs one int count per row (a list, array or tensor), got "
+            f"{short_repr(raw)}"
+        )
     counts = np.asarray(raw) if len(raw) else np.zeros(0, dtype=np.int64)
     if counts.ndim != 1 or len(counts) != n:
         raise ValueError(

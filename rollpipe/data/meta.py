@@ -1,7 +1,8 @@
 """``merge_meta_info``: the meta_info of concatenated DataProto parts, merged.
 
-``metrics`` are collected into lists (one entry per part, or the part's own lists); any
-other key must agree, so a concat never silently drops a setting.
+``metrics`` are collected into lists (one entry per part, or the part's own lists);
+``env_errors`` lists (the pipeline's errored-trajectory records) are joined; any other
+key must agree, so a concat never silently drops a setting.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ def merge_meta_info(metas: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                     for name, v in entry.items():
                         bucket = metrics.setdefault(name, [])
                         bucket.extend(v) if isinstance(v, list) else bucket.append(v)
+            elif key == "env_errors" and isinstance(value, list):
+                if not isinstance(merged.setdefault(key, []), list):
+                    raise ValueError(f"meta_info['env_errors'] of part {i} must be a list")
+                merged[key] = [*merged[key], *value]
             elif key not in merged:
                 merged[key] = value
                 first_part[key] = i

@@ -19,8 +19,8 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
 
+from rollpipe.data import arguments as args
 from rollpipe.data.columns import (
-    as_object_column,
     assign_columns,
     build_columns,
     check_fields,
@@ -42,7 +42,7 @@ from rollpipe.data.indexing import (
     repeat_counts,
 )
 from rollpipe.data.meta import merge_meta_info
-from rollpipe.data.persist import load_checked, pickled_state
+from rollpipe.data.persist import load_checked, pickled_state, save_checked
 from rollpipe.data.tensordicts import join_tensordict, split_tensordict
 
 __all__ = ["DataProto"]
@@ -65,10 +65,8 @@ class DataProto:
                 "use DataProto.from_dict(tensors=...) to build one from a dict of tensors"
             )
         self.batch: TensorDictBase | None = batch
-        self.non_tensor_batch: dict[str, np.ndarray] = {
-            k: as_object_column(k, v) for k, v in (non_tensor_batch or {}).items()
-        }
-        self.meta_info: dict[str, Any] = dict(meta_info or {})
+        self.non_tensor_batch: dict[str, np.ndarray] = args.object_columns(non_tensor_batch)
+        self.meta_info: dict[str, Any] = dict(args.mapping_arg(meta_info, "meta_info"))
         self.check_consistency()
 
     # ----------------------------------------------------------------- construction
@@ -80,7 +78,7 @@ class DataProto:
         meta_info: Mapping[str, Any] | None = None,
     ) -> DataProto:
         """Build from tensors (first dim = rows) and per-row non-tensor sequences."""
-        batch, columns = build_columns(dict(tensors or {}), dict(non_tensors or {}))
+        batch, columns = build_columns(*args.plain_dicts(tensors=tensors, non_tensors=non_tensors))
         return cls(batch=batch, non_tensor_batch=columns, meta_info=meta_info)
 
     @classmethod
@@ -88,6 +86,7 @@ class DataProto:
         cls, data: Mapping[str, Any], meta_info: Mapping[str, Any] | None = None
     ) -> DataProto:
         """Build from one dict: tensors go to ``batch``, arrays/lists to ``non_tensor_batch``."""
+        data = args.mapping_arg(data, "from_single_dict: data", "a dict of columns", False)
         tensors = {k: v for k, v in data.items() if isinstance(v, Tensor)}
         others = {k: v for k, v in data.items() if not isinstance(v, Tensor)}
         return cls.from_dict(tensors=tensors, non_tensors=others, meta_info=meta_info)
@@ -190,6 +189,7 @@ class DataProto:
 
     def slice(self, start: int | None = None, end: int | None = None, step: int | None = None):
         """Rows ``start:end:step``; with a positive step they are views sharing storage."""
+        args.check_slice(start, end, step)
         if step is not None and step <= 0:
             if step == 0:
                 raise ValueError("slice step must not be zero")
@@ -301,6 +301,7 @@ class DataProto:
             self.update({k: other[k] for k in list(other.keys())})
             self.meta_info.update(other.meta_info)
             return self
+        other = args.mapping_arg(other, "update: the argument", "a DataProto or a dict", False)
         values, n = coerce_columns(other, len(self) if self.keys() else None)
         self.batch = assign_columns(self.batch, self.non_tensor_batch, values, n or 0)
         self.check_consistency()
@@ -311,12 +312,7 @@ class DataProto:
     def concat(cls, data: Sequence[DataProto]) -> DataProto:
         """Rows of all parts in order; keys must match; ``meta_info['metrics']`` is merged
         into lists, any other meta_info key must agree."""
-        parts = list(data)
-        if not parts:
-            raise ValueError("concat needs at least one DataProto, got an empty list")
-        for i, part in enumerate(parts):
-            if not isinstance(part, DataProto):
-                raise ValueError(f"concat part {i} is a {type(part).__name__}, not a DataProto")
+        parts = args.concat_parts(data, DataProto)
         batch, columns = concat_columns([(p.batch, p.non_tensor_batch, len(p)) for p in parts])
         return cls(batch, columns, merge_meta_info([p.meta_info for p in parts]))
 
@@ -358,7 +354,7 @@ class DataProto:
     def to(self, device: torch.device | str) -> DataProto:
         """Move the tensors to ``device`` in place (as verl); returns self."""
         if self.batch is not None:
-            self.batch = self.batch.to(device)
+            self.batch = self.batch.to(args.device_arg(device))
         return self
 
     def clone(self) -> DataProto:
@@ -375,7 +371,7 @@ class DataProto:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write to ``path`` (``torch.save`` of the consolidated DataProto)."""
-        torch.save(self, path)
+        save_checked(self, path)
 
     @classmethod
     def load(

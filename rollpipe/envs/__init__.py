@@ -11,6 +11,7 @@ from rollpipe.envs.base import (
     TextEnv,
     TextEnvConfig,
     is_async_env,
+    is_blocking,
 )
 from rollpipe.envs.frozenlake import FrozenLake, FrozenLakeConfig, LakeMap
 from rollpipe.envs.parsing import (
@@ -44,6 +45,7 @@ __all__ = [
     "config_keys",
     "generate_room",
     "is_async_env",
+    "is_blocking",
     "make",
     "parse_action",
     "parse_answer",

@@ -41,7 +41,9 @@ GRID_METRICS_AGG_MODE: dict[str, str] = {
 
 @runtime_checkable
 class TextEnv(Protocol):
-    """A blocking text environment (run it off the event loop)."""
+    """A blocking text environment: its calls run on env threads, off the event loop,
+    unless the class declares ``blocking = False`` (then they run inline on the loop:
+    only for envs whose calls take microseconds and never wait)."""
 
     def reset(self, seed: int) -> tuple[str, Info]: ...
 
@@ -59,6 +61,12 @@ class AsyncTextEnv(Protocol):
     async def step(self, action_text: str) -> StepResult: ...
 
     def close(self) -> None: ...
+
+
+def is_blocking(env: object) -> bool:
+    """Whether ``env``'s calls may block (run them off the event loop): True unless its
+    class declares ``blocking = False`` (fast, pure-Python envs such as the grid puzzles)."""
+    return getattr(env, "blocking", True) is not False
 
 
 def is_async_env(env: object) -> bool:
@@ -128,6 +136,9 @@ class GridTextEnv(abc.ABC):
 
     actions: ClassVar[tuple[str, ...]]
     name: ClassVar[str]
+    blocking: ClassVar[bool] = False
+    """Pure Python and fast (bounded parsing): its calls run inline on the event loop.
+    A subclass whose calls may wait (I/O, a simulator) must set it back to True."""
 
     def __init__(self, config: TextEnvConfig) -> None:
         self.config = config

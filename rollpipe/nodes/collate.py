@@ -37,7 +37,10 @@ class Collate(BaseNode[DataProto]):
 
     ``level="trajectory"`` gives one row per trajectory; ``level="step"`` one row per
     turn (GiGPO style). Metrics of the trajectories, overall and per env tag, go to
-    ``meta_info["metrics"]``.
+    ``meta_info["metrics"]``; the errored trajectories dropped before these groups (the
+    most recent ``MAX_ERRORS_KEPT`` per group; ``dropped/errored_trajectories`` counts
+    them all) to ``meta_info["env_errors"]``: dicts with ``env``, ``tag``, ``seed``,
+    ``group_id``, ``episode_id``, ``turn`` and ``message`` (the exception and where).
     """
 
     def __init__(
@@ -77,15 +80,19 @@ class Collate(BaseNode[DataProto]):
                 item.stream_tokens,
                 tag_drops=merge_tag_drops(item.groups),
             )
+            errors = [dict(e) for g in item.groups for e in g.errors]
         elif isinstance(item, Group):
             trajectories = list(item.trajectories)
             metrics = batch_metrics(trajectories, item.drops, tag_drops=item.tag_drops)
+            errors = [dict(e) for e in item.errors]
         else:
             trajectories = list(item)
             metrics = batch_metrics(trajectories)
+            errors = []
         to_rows = trajectory_rows if self.level == "trajectory" else step_rows
         rows = to_rows(trajectories, self.pad_token_id, pad_to_multiple_of=self.pad_to_multiple_of)
         rows.meta_info["metrics"] = metrics
+        rows.meta_info["env_errors"] = errors
         return rows
 
     def next(self) -> DataProto:

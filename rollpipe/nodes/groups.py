@@ -21,7 +21,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from rollpipe._utils.checks import check_int
-from rollpipe.agent.records import Group, Trajectory
+from rollpipe.agent.records import Group, Trajectory, error_entry
 from rollpipe.nodes.signals import RolloutControl
 
 GroupRule = Callable[[Group], bool]
@@ -41,6 +41,8 @@ def zero_variance(group: Group, eps: float = 1e-6) -> bool:
 
 KEEP_RULES: dict[str, GroupRule] = {"scores_differ": scores_differ}
 """Names ``keep_group`` accepts (True keeps)."""
+MAX_ERRORS_KEPT = 32
+"""Errored trajectories whose text a yielded group carries (the most recent; all counted)."""
 DROP_RULES: dict[str, GroupRule] = {"zero_variance": zero_variance}
 """Names ``drop_group`` accepts (True drops, ROLL's ``GroupFilter.filter`` polarity)."""
 FILTERS: dict[str, GroupRule] = {"zero_variance": scores_differ}
@@ -164,7 +166,13 @@ class GroupAssembler(BaseNode[Group]):
     ``errored_trajectories`` (the env raised) and ``empty_trajectories`` (the first prompt
     exceeded ``max_length``, so no turn ran); ``redundant`` late members; ``incomplete``
     groups at the end of the stream; ``wasted_tokens``, the generated tokens of everything
-    dropped), and ``tag_drops``: the same counts split by the env tag of what was dropped.
+    dropped), and ``tag_drops``: the same counts split by the env tag of what was dropped;
+    ``errors``: the text of the last ``MAX_ERRORS_KEPT`` errored trajectories among them.
+    ``errored_trajectories`` counts every errored trajectory that reaches the assembler,
+    members of groups already dropped included (the Rollout passes those on).
+
+    Memory stays bounded on an endless stream: a closed group's id is forgotten once the
+    Rollout reports (``control.settled_below``) that no member of it can arrive any more.
     """
 
     def __init__(
@@ -220,6 +228,8 @@ class GroupAssembler(BaseNode[Group]):
         self._members: dict[int, list[Trajectory]] = {}
         self._errors: Counter[int] = Counter()
         self._closed: set[int] = set()
+        self._pruned_below = 0  # closed ids below this were forgotten (settled upstream)
+        self._error_log: list[dict[str, Any]] = []  # since the last yielded group
         self._drops: Counter[str] = Counter()
         self._tag_drops: dict[str, Counter[str]] = {}
         self._group_drops: Counter[str] = Counter()  # groups dropped since one was kept
@@ -240,6 +250,7 @@ class GroupAssembler(BaseNode[Group]):
         self._errors = Counter({int(g): n for g, n in initial_state["errors"].items()})
         self._closed = set(initial_state["closed"])
         self._drops = Counter(initial_state["drops"])
+        self._error_log = [dict(e) for e in initial_state.get("error_log", [])]
         tag_drops = initial_state.get("tag_drops", {})
         self._tag_drops = {tag: Counter(counts) for tag, counts in tag_drops.items()}
 
@@ -250,6 +261,7 @@ class GroupAssembler(BaseNode[Group]):
             "errors": dict(self._errors),
             "closed": sorted(self._closed),
             "drops": dict(self._drops),
+            "error_log": [dict(e) for e in self._error_log],
             "tag_drops": {tag: dict(counts) for tag, counts in self._tag_drops.items()},
         }
 
@@ -311,10 +323,24 @@ class GroupAssembler(BaseNode[Group]):
             return True
         return self.drop_group is not None and bool(self.drop_group(group))
 
+    def _log_error(self, traj: Trajectory) -> None:
+        self._error_log.append(error_entry(traj))
+        del self._error_log[:-MAX_ERRORS_KEPT]
+
+    def _forget_settled(self) -> None:
+        """Forget closed ids no member of which can arrive any more (bounded memory)."""
+        settled = self.control.settled_below if self.control is not None else 0
+        if settled > self._pruned_below:
+            self._closed = {g for g in self._closed if g >= settled}
+            self._pruned_below = settled
+
     def _add(self, traj: Trajectory) -> Group | None:
         gid, tag = traj.group_id, traj.tag
+        if traj.end_reason == "error":
+            self._log_error(traj)
         if gid in self._closed:
-            self._drop("redundant", tag)
+            late = "errored_trajectories" if traj.end_reason == "error" else "redundant"
+            self._drop(late, tag)
             self._waste([traj], tag)
             return None
         if traj.end_reason == "error" or not traj.turns:
@@ -342,7 +368,8 @@ class GroupAssembler(BaseNode[Group]):
         drops, self._drops = dict(self._drops), Counter()
         tag_drops = {t: dict(counts) for t, counts in self._tag_drops.items()}
         self._tag_drops = {}
-        return Group(gid, group.trajectories, drops=drops, tag_drops=tag_drops)
+        errors, self._error_log = self._error_log, []
+        return Group(gid, group.trajectories, drops=drops, tag_drops=tag_drops, errors=errors)
 
     def next(self) -> Group:
         while True:
@@ -355,5 +382,6 @@ class GroupAssembler(BaseNode[Group]):
                 self._members.clear()
                 raise
             group = self._add(traj)
+            self._forget_settled()
             if group is not None:
                 return group

@@ -5,8 +5,9 @@ Each episode is a coroutine (``rollpipe.agent.episode.run_episode``). Up to
 requests reach the engine together and its continuous batching does the batching: no
 lockstep turns, and a long episode never holds back the others. Between two engine
 steps, the episodes whose turn just ended submit their next request, which joins the
-very next step: no thread hop. Env calls run inline on the loop, or on a thread pool with
-``env_workers > 0``.
+very next step: no thread hop. Env calls that may block run on env threads
+(``EnvThreads``), each limited to ``env_timeout_s``; envs declaring ``blocking = False``
+run inline on the loop (unless ``env_workers > 0`` asks for threads for every env).
 
 The upstream node is pulled on a thread of its own, never on the loop, so a slow or
 blocking node before the rollout does not stall generation. Collection continues in the
@@ -35,10 +36,12 @@ from rollpipe._utils.checks import check_int
 from rollpipe._utils.threads import shutdown_within
 from rollpipe.agent.chat import ChatFormat
 from rollpipe.agent.env_pool import EnvForSpec, EnvPool
+from rollpipe.agent.env_threads import EnvLease, EnvThreads
 from rollpipe.agent.episode import run_episode
 from rollpipe.agent.records import EpisodeSpec, Trajectory
 from rollpipe.engines.protocol import Engine
 from rollpipe.engines.records import SamplingParams
+from rollpipe.nodes.admitted import Admitted
 from rollpipe.nodes.closing import close_chain
 from rollpipe.nodes.signals import RolloutControl
 from rollpipe.runtime import Runtime, RuntimeClosedError, Signal
@@ -60,7 +63,9 @@ class Rollout(BaseNode[Trajectory]):
         concurrency: episodes in flight at once.
         env_factory: builds an env for a spec (default: the registry). Instances are
             pooled and reused; ``env_ids`` in the rows name the instance.
-        env_workers: threads for a ``TextEnv``'s calls; 0 runs them inline on the loop.
+        env_workers: threads for env calls, used by every ``TextEnv``; 0 (default): one
+            per episode in flight, for envs that may block only (``blocking = False``
+            envs run inline on the loop).
         in_order: yield in admission order (reproducible) or completion order.
         max_buffered: finished trajectories held, not yet yielded, before admission
             pauses (default ``4 * concurrency``).
@@ -92,7 +97,7 @@ class Rollout(BaseNode[Trajectory]):
             ("concurrency", concurrency),
         ):
             check_int(f"Rollout: {name}", value, 1)
-        check_int("Rollout: env_workers (0: env calls inline)", env_workers, 0)
+        check_int("Rollout: env_workers (0: one per episode, blocking envs only)", env_workers, 0)
         self.source = source
         self.engine = engine
         self.chat = chat if isinstance(chat, ChatFormat) else ChatFormat(chat)
@@ -108,13 +113,9 @@ class Rollout(BaseNode[Trajectory]):
         self._envs = EnvPool(env_factory)
         self._runtime: Runtime = engine.runtime
         self._scope = self._runtime.scope("Rollout")
-        # One thread pulls the upstream node (never the loop); a pool runs blocking envs.
+        # One thread pulls the upstream node (never the loop); env threads run blocking envs.
         self._source_thread = concurrent.futures.ThreadPoolExecutor(1, "rollpipe-source")
-        self._env_threads = (
-            concurrent.futures.ThreadPoolExecutor(env_workers, "rollpipe-env")
-            if env_workers
-            else None
-        )
+        self._env_threads = EnvThreads(env_workers or concurrency)
         self._wakeup = Signal()  # the driver's: room to admit, the gate opened, a cancel...
         self.control.add_listener(self._wakeup.notify)
         self._driver: asyncio.Task[None] | None = None
@@ -124,12 +125,9 @@ class Rollout(BaseNode[Trajectory]):
     # -- bookkeeping (loop thread only) -----------------------------------------------
     def _clear(self) -> None:
         self._live: dict[int, asyncio.Task[Trajectory]] = {}
-        self._pending: dict[int, EpisodeSpec] = {}  # admitted, not yet yielded
-        self._results: dict[int, Trajectory | None] = {}  # finished (None: cancelled)
-        self._finish_order: deque[int] = deque()
+        self._book = Admitted(self.in_order)  # admitted, not yet yielded; their results
         self._requeue: deque[EpisodeSpec] = deque()  # restored specs to run first
-        self._next_index = 0
-        self._emit_index = 0
+        self._last_pulled: int | None = None  # group id of the last spec pulled
         self._source_done = False
         self._requests_at_stop = 0  # control.requests_made when the source last ran dry
         self._source_state: dict[str, Any] | None = None
@@ -170,7 +168,7 @@ class Rollout(BaseNode[Trajectory]):
         self._driver = asyncio.get_running_loop().create_task(self._drive())
 
     async def _snapshot(self) -> dict[str, Any]:
-        specs = [*self._pending.values(), *self._requeue]
+        specs = [*self._book.pending.values(), *self._requeue]
         return {"source": self._source_state, "pending": [s.to_state() for s in specs]}
 
     async def _drive(self) -> None:
@@ -193,7 +191,7 @@ class Rollout(BaseNode[Trajectory]):
     def _has_room(self) -> bool:
         return (
             len(self._live) < self.concurrency
-            and len(self._results) < self.max_buffered
+            and len(self._book.results) < self.max_buffered
             and self.control.is_open
         )
 
@@ -222,7 +220,7 @@ class Rollout(BaseNode[Trajectory]):
                     self._requests_at_stop = requests_made
                     continue
                 self._source_done = False
-                self._source_state = state
+                self._source_state, self._last_pulled = state, spec.group_id
                 self._requeue.append(spec)
                 self._admit_waiting()
         finally:
@@ -241,9 +239,7 @@ class Rollout(BaseNode[Trajectory]):
         return spec, self.source.state_dict(), requests_made
 
     def _admit(self, spec: EpisodeSpec) -> None:
-        index = self._next_index
-        self._next_index += 1
-        self._pending[index] = spec
+        index = self._book.admit(spec)
         if self.control.is_cancelled(spec.group_id):
             self._finish(index, None)
             return
@@ -253,6 +249,7 @@ class Rollout(BaseNode[Trajectory]):
 
     async def _run(self, spec: EpisodeSpec) -> Trajectory:
         env_id, env = self._envs.acquire(spec)
+        lease = EnvLease(functools.partial(self._envs.release, spec, env_id, env))
         try:
             return await run_episode(
                 spec,
@@ -264,11 +261,13 @@ class Rollout(BaseNode[Trajectory]):
                 max_length=self.max_length,
                 env_id=env_id,
                 admit=self.control.admit,
-                env_executor=self._env_threads,
+                env_threads=self._env_threads,
+                env_lease=lease,  # an env is reused only once no call of it runs
+                env_calls_on_threads=self.env_workers > 0,
                 **self.episode_kwargs,
             )
         finally:
-            self._envs.release(spec, env_id, env)
+            lease.end()
 
     def _on_done(self, index: int, task: asyncio.Task[Trajectory]) -> None:
         """An episode ended: record its result (or failure) and wake both sides."""
@@ -291,12 +290,11 @@ class Rollout(BaseNode[Trajectory]):
         if not cancelled:
             return
         for index, task in self._live.items():
-            if self._pending[index].group_id in cancelled:
+            if self._book.pending[index].group_id in cancelled:
                 task.cancel()
 
     def _finish(self, index: int, result: Trajectory | None) -> None:
-        self._results[index] = result
-        self._finish_order.append(index)
+        self._book.finish(index, result)
         self._notify_ready()
 
     def _fail(self, error: BaseException) -> None:
@@ -314,27 +312,25 @@ class Rollout(BaseNode[Trajectory]):
     def _is_over(self) -> bool:
         return (
             not self._live
-            and not self._results
+            and not self._book.results
             and not self._requeue
             and self._source_done
             and not self._new_requests()
         )
 
     def _pop_ready(self) -> Trajectory | None:
-        while True:
-            if self.in_order:
-                index = self._emit_index
-                if index not in self._results:
-                    return None
-                self._emit_index += 1
-            else:
-                if not self._finish_order:
-                    return None
-                index = self._finish_order.popleft()
-            result = self._results.pop(index)
-            del self._pending[index]
-            if result is not None and not self.control.is_cancelled(result.group_id):
+        """The next result to yield. Those of cancelled groups are skipped, except errors
+        (counted downstream: every error is reported, even in a group already dropped)."""
+        while (popped := self._book.pop()) is not None:
+            spec, result = popped
+            wanted = result is not None and (
+                result.end_reason == "error" or not self.control.is_cancelled(spec.group_id)
+            )
+            lowest = self._book.lowest_group(list(self._requeue), self._last_pulled)
+            self.control.settle_below(spec.group_id if lowest is None else lowest)
+            if wanted:
                 return result
+        return None
 
     async def _next_ready(self) -> Any:
         assert self._ready is not None, "Rollout.next() before reset()"
@@ -353,7 +349,7 @@ class Rollout(BaseNode[Trajectory]):
     @property
     def num_buffered(self) -> int:
         """Finished trajectories waiting to be yielded (a monitoring snapshot)."""
-        return len(self._results)
+        return len(self._book.results)
 
     # -- lifecycle --------------------------------------------------------------------
     async def _stop_all(self) -> None:
@@ -383,9 +379,8 @@ class Rollout(BaseNode[Trajectory]):
             stopping = self._runtime.submit(self._stop_all())
             with contextlib.suppress(TimeoutError, RuntimeClosedError):
                 stopping.result(CLOSE_WAIT_S)  # a loop blocked in an env call runs it later
-        for pool in (self._source_thread, self._env_threads):
-            if pool is not None:
-                shutdown_within(pool, max(0.0, deadline - time.monotonic()))
+        shutdown_within(self._source_thread, max(0.0, deadline - time.monotonic()))
+        self._env_threads.close(max(0.0, deadline - time.monotonic()))
         try:
             self._envs.close()
         finally:
@@ -395,5 +390,4 @@ class Rollout(BaseNode[Trajectory]):
         if not getattr(self, "_closed", True):
             self._scope.close()
             self._source_thread.shutdown(wait=False, cancel_futures=True)
-            if self._env_threads is not None:
-                self._env_threads.shutdown(wait=False, cancel_futures=True)
+            self._env_threads.close(0.0)

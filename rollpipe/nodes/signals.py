@@ -26,6 +26,7 @@ class RolloutControl:
         self._gate = Gate(is_open=True)
         self._lock = threading.Lock()
         self._cancelled: set[int] = set()
+        self._settled = 0  # no member of a group below this id is left upstream
         self._replacements = 0
         self._grants: list[tuple[int, int]] = []  # (groups, step) not yet taken
         self._made = 0  # replacements + grants ever asked for
@@ -83,6 +84,20 @@ class RolloutControl:
         with self._lock:
             return frozenset(self._cancelled)
 
+    def settle_below(self, group_id: int) -> None:
+        """The rollout has no member of any group below ``group_id`` left (admitted,
+        queued or still to be pulled): their cancellations are forgotten, and so may the
+        downstream stages' records of them (memory stays bounded on endless streams)."""
+        with self._lock:
+            if group_id > self._settled:
+                self._settled = group_id
+                self._cancelled = {g for g in self._cancelled if g >= group_id}
+
+    @property
+    def settled_below(self) -> int:
+        """See ``settle_below`` (0 until the rollout reports)."""
+        return self._settled
+
     # -- more groups: replacements and grants ------------------------------------------
     def request_groups(self, n: int = 1) -> None:
         """Ask the episode source for ``n`` more groups (to replace dropped ones)."""
@@ -138,6 +153,7 @@ class RolloutControl:
 
     def load_state(self, state: dict[str, object] | None) -> None:
         with self._lock:
+            self._settled = 0
             if state is None:
                 self._cancelled, self._replacements, self._grants = set(), 0, []
             else:
