@@ -40,6 +40,7 @@ BENCHMARKS = (
     "on_policy",
     "pool",
     "remote",
+    "learning",
 )
 NEEDS_ENGINE = {"efficiency", "long_tail", "concurrency", "pause", "overhead", "on_policy"}
 LEVELS = (1, 8, 64, 256)
@@ -98,6 +99,16 @@ SUMMARY = (
     ("9", "Weight sync through Ray, tiny model", "remote_ray_weight_sync_ms", "—", "{:.0f} ms"),
     ("9", "Object store put + read, one node", "remote_object_store_gb_per_s", "—", "{:.2f} GB/s"),
     ("9", "Weight sync, 7B bf16 (estimate)", "remote_weight_sync_7b_s", "—", "{:.0f} s"),
+    ("10", "Warm start: held-out success, greedy", "warm_start_success", "≥ 0.5", "{:.2f}"),
+    ("10", "Random valid action: same seeds", "random_valid_success", "—", "{:.2f}"),
+    ("10", "Warm start build time (recorded)", "warm_start_build_s", "—", "{:.0f} s"),
+    ("10", "GRPO held-out success gain (median)", "grpo_success_gain", "≥ 0.07", "{:+.3f}"),
+    ("10", "GRPO steps / minutes per run", "grpo_minutes", "—", "{:.1f} min"),
+    ("10", "|infer − trainer| log-prob, fp32 mean", "logprob_gap_mean", "—", "{:.2e}"),
+    ("10", "|infer − trainer| log-prob, fp32 max", "logprob_gap_max", "—", "{:.2e}"),
+    ("10", "|infer − trainer| log-prob, bf16 mean", "logprob_gap_bf16_mean", "—", "{:.2e}"),
+    ("10", "|infer − trainer| log-prob, bf16 max", "logprob_gap_bf16_max", "—", "{:.2e}"),
+    ("10", "Trainer pass: plain ÷ shared prefix", "trainer_shared_prefix_speedup", "—", "{:.2f}×"),
 )
 
 

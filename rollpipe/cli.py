@@ -1,7 +1,9 @@
 """The ``rollpipe`` command: ``rollpipe run`` (the main job) and ``rollpipe inspect``.
 
-``rollpipe run`` with no arguments builds the tiny local model once (cached), runs
-FrozenLake rollouts on the vLLM engine and prints a summary per batch and in total.
+``rollpipe run`` with no arguments runs FrozenLake rollouts on the vLLM engine with the
+warm-started policy that ships with rollpipe (it plays: success well above zero) and
+prints a summary per batch and in total; ``--model tiny`` uses the random-weight tiny
+model instead (built once, cached).
 Every option maps onto :class:`rollpipe.pipeline.PipelineConfig`.
 """
 
@@ -53,7 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run rollouts and print per-batch summaries")
     run.add_argument("--config", type=Path, help="YAML file of PipelineConfig fields")
     run.add_argument("--env", help="environment name (frozenlake, sokoban, ...)")
-    run.add_argument("--model", type=Path, help="local HF causal LM (default: the tiny model)")
+    run.add_argument(
+        "--model",
+        type=Path,
+        help="local HF causal LM (default: the shipped warm start; 'tiny': the random tiny model)",
+    )
     run.add_argument("--engine", choices=("vllm", "hf"), default="vllm")
     run.add_argument(
         "--engines",
@@ -170,13 +176,18 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from rollpipe.data.readable import decode_row
     from rollpipe.engines.tiny_model import default_model_path
     from rollpipe.pipeline import RolloutPipeline
+    from rollpipe.policy.warm_start import warm_start_model_path
 
     config = load_config(args)
     if args.batches < 1:
         raise ValueError(f"--batches must be >= 1, got {args.batches}")
     if args.model is None:
+        model_path = warm_start_model_path()
+    elif str(args.model) == "tiny":
         console.print("[dim]building/loading the tiny local model...[/dim]")
-    model_path = args.model or default_model_path()
+        model_path = default_model_path()
+    else:
+        model_path = args.model
     if not Path(model_path).is_dir():
         raise ValueError(f"--model {model_path}: not a directory holding a HF model")
     tokenizer = AutoTokenizer.from_pretrained(model_path)

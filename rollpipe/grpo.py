@@ -35,33 +35,206 @@ def group_advantages(
     return torch.where(counts[inverse] > 1, advantages, torch.zeros_like(advantages)).float()
 
 
-def token_logprobs(model: torch.nn.Module, batch: DataProto) -> torch.Tensor:
-    """Log-probability the model gives each row token, aligned with ``input_ids`` (0 at t=0)."""
+def shared_prefix_length(batch: DataProto) -> int:
+    """How many leading tokens every row has in common, stopping before the position
+    that predicts the first response token of any row (so every response token's
+    log-probability comes from the rows' own forward pass)."""
+    td = batch.batch
+    if td is None or len(td["input_ids"]) < 2:
+        return 0
+    ids, response = td["input_ids"], td["response_mask"].bool()
+    starts = response.float().argmax(-1)[response.any(-1)]
+    first_response = int(starts.min()) if len(starts) else ids.shape[1]
+    same = (ids == ids[:1]).all(0) & td["attention_mask"].bool().all(0)
+    differs = (~same).nonzero()
+    common = int(differs[0]) if len(differs) else ids.shape[1]
+    return max(0, min(common, first_response - 1))
+
+
+def token_logprobs(
+    model: torch.nn.Module, batch: DataProto, *, share_prefix: bool = False
+) -> torch.Tensor:
+    """Log-probability the model gives each row token, aligned with ``input_ids`` (0 at t=0).
+
+    ``share_prefix=True`` runs the tokens all rows share (a system prompt and task text,
+    about half of a short FrozenLake row) once and every row on top of copies of their
+    key/value cache: the same values (gradients flow through the copies), less compute;
+    positions inside the shared prefix then read 0 (they are never response tokens).
+    """
     td = batch.batch
     if td is None:
         raise ValueError("token_logprobs needs a DataProto with input_ids and attention_mask")
+    ids, positions = td["input_ids"], td["position_ids"]
+    prefix = shared_prefix_length(batch) if share_prefix else 0
+    cache = None
+    if prefix > 0:
+        head = model(
+            input_ids=ids[:1, :prefix], position_ids=positions[:1, :prefix], use_cache=True
+        )
+        cache = head.past_key_values
+        cache.batch_repeat_interleave(len(ids))
     logits = model(
-        input_ids=td["input_ids"],
+        input_ids=ids[:, prefix:],
         attention_mask=td["attention_mask"],
-        position_ids=td["position_ids"],
+        position_ids=positions[:, prefix:],
+        past_key_values=cache,
+        use_cache=cache is not None,
     ).logits.float()
-    picked = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, td["input_ids"][:, 1:, None])
-    return torch.nn.functional.pad(picked.squeeze(-1), (1, 0))
+    picked = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, prefix + 1 :, None])
+    return torch.nn.functional.pad(picked.squeeze(-1), (prefix + 1, 0))
+
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
 
 
 def policy_loss(
-    logprobs: torch.Tensor, batch: DataProto, advantages: torch.Tensor, clip: float = 0.2
+    logprobs: torch.Tensor,
+    batch: DataProto,
+    advantages: torch.Tensor,
+    clip: float = 0.2,
+    loss_agg_mode: str = "token-mean",
 ) -> torch.Tensor:
     """PPO-clipped policy gradient over response tokens, mean over tokens.
 
     Ratios are taken against the engine's ``infer_logprobs`` (the behaviour policy),
-    so off-policy tokens from a previous version are corrected.
+    so off-policy tokens from a previous version are corrected. ``loss_agg_mode`` (verl's
+    name): ``"token-mean"`` averages over all response tokens of the batch, so a long
+    row weighs more; ``"seq-mean-token-mean"`` averages each row's tokens, then the rows
+    (GRPO's original form: every trajectory weighs the same).
     """
     td = batch.batch
     if td is None:
         raise ValueError("policy_loss needs a DataProto with response_mask and infer_logprobs")
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"policy_loss: loss_agg_mode must be one of {LOSS_AGG_MODES}")
     mask = td["response_mask"].float()
     ratio = torch.exp(logprobs - td["infer_logprobs"].float())
-    adv = advantages[:, None]
+    adv = advantages if advantages.dim() == 2 else advantages[:, None]
     objective = torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
+    if loss_agg_mode == "seq-mean-token-mean":
+        per_row = (objective * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+        return -per_row.mean()
     return -(objective * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _turn_spans(response: torch.Tensor) -> list[tuple[int, int]]:
+    """``(start, end)`` of each run of response tokens in one row."""
+    edges = torch.diff(response.to(torch.int8), prepend=torch.zeros(1, dtype=torch.int8))
+    starts = (edges == 1).nonzero().squeeze(-1).tolist()
+    ends = [*(edges == -1).nonzero().squeeze(-1).tolist(), len(response)]
+    return list(zip(starts, ends[: len(starts)], strict=True))
+
+
+def turn_advantages(batch: DataProto, eps: float = 1e-6, scale: bool = True) -> torch.Tensor:
+    """GiGPO's step-level advantage, per token ``[B, T]``, from the rows alone.
+
+    Turns of one ``traj_group_id`` that saw the same observation (the exact tokens the
+    env sent since the previous answer: the first turn's prompt, then each feedback
+    message) form a step group; each turn's answer tokens get its trajectory's
+    ``episode_scores`` normalised within that group, 0 for a group of one. With a
+    terminal reward this is the return from that state (GiGPO with discount 1): a move
+    into a hole is compared with the other moves made from the same state, not with
+    the whole episode. Add it to :func:`group_advantages` (``[:, None]``), as GiGPO does.
+    """
+    td = batch.batch
+    if td is None:
+        raise ValueError("turn_advantages needs a DataProto with tensors")
+    ids, response = td["input_ids"], td["response_mask"].bool()
+    scores = td["episode_scores"].to(torch.float64)
+    groups: dict[tuple[int, bytes], list[tuple[int, int, int]]] = {}
+    for row in range(len(ids)):
+        previous = 0
+        for start, end in _turn_spans(response[row]):
+            key = (int(td["traj_group_id"][row]), ids[row, previous:start].numpy().tobytes())
+            groups.setdefault(key, []).append((row, start, end))
+            previous = end
+    out = torch.zeros(ids.shape, dtype=torch.float64)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        values = torch.stack([scores[row] for row, _, _ in members])
+        centred = values - values.mean()
+        normed = centred / (values.std() + eps) if scale else centred
+        for (row, start, end), value in zip(members, normed, strict=True):
+            out[row, start:end] = value
+    return out.float()
+
+
+TRAIN_KEYS = ("input_ids", "attention_mask", "position_ids", "response_mask", "infer_logprobs")
+"""The row fields :func:`token_logprobs` and :func:`policy_loss` read."""
+
+
+def active_rows(batch: DataProto, advantages: torch.Tensor) -> tuple[DataProto, torch.Tensor]:
+    """The rows with a non-zero advantage (the only ones with a gradient), their
+    :data:`TRAIN_KEYS` cut to their own longest row (right padding), and their advantages."""
+    td = batch.batch
+    if td is None:
+        raise ValueError("active_rows needs a DataProto with tensors")
+    nonzero = advantages != 0
+    keep = (nonzero.any(-1) if advantages.dim() == 2 else nonzero).nonzero().squeeze(-1)
+    mask = td["attention_mask"][keep]
+    width = int(mask.sum(-1).max()) if len(keep) else 0
+    tensors = {k: td[k][keep, :width] for k in TRAIN_KEYS}
+    kept = advantages[keep, :width] if advantages.dim() == 2 else advantages[keep]
+    return DataProto.from_dict(tensors=tensors), kept
+
+
+def grpo_step(
+    policy: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: DataProto,
+    *,
+    clip: float = 0.2,
+    max_grad_norm: float | None = 1.0,
+    scale: bool = True,
+    advantages: torch.Tensor | None = None,
+    loss_agg_mode: str = "token-mean",
+) -> dict[str, float]:
+    """One GRPO update on ``batch``: advantages of ``episode_scores`` within
+    ``traj_group_id`` groups (or the given ``advantages``), the clipped loss on the
+    response tokens of the rows with a non-zero advantage, one optimizer step.
+
+    Rows of zero advantage (a group whose members all scored the same) have no
+    gradient, so they are left out of the forward pass; the loss is the token mean over
+    the rows that remain (``loss_agg_mode``, see :func:`policy_loss`; with none, no step
+    is taken). Returns the step's figures:
+    ``loss``, ``grad_norm`` (before clipping), ``active_rows`` (fraction of rows with a
+    non-zero advantage), ``clip_frac`` (fraction of their response tokens whose ratio left
+    ``[1 - clip, 1 + clip]``) and ``logprob_gap`` (mean ``|trainer - infer_logprobs|`` on
+    those tokens before the step: near 0 when the engine ran the trainer's weights).
+    """
+    td = batch.batch
+    if td is None:
+        raise ValueError("grpo_step needs a DataProto with tensors")
+    if advantages is None:
+        advantages = group_advantages(td["episode_scores"], td["traj_group_id"], scale=scale)
+    rows, adv = active_rows(batch, advantages)
+    figures = {"loss": 0.0, "grad_norm": 0.0, "active_rows": len(rows) / max(1, len(batch))}
+    figures.update(clip_frac=0.0, logprob_gap=0.0)
+    if len(rows) == 0:
+        return figures
+    policy.train()
+    logprobs = token_logprobs(policy, rows, share_prefix=True)
+    loss = policy_loss(logprobs, rows, adv, clip=clip, loss_agg_mode=loss_agg_mode)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grads = [p.grad for p in policy.parameters() if p.grad is not None]
+    if max_grad_norm is None:
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    else:
+        params = [p for p in policy.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    optimizer.step()
+    with torch.no_grad():
+        rtd = rows.batch
+        assert rtd is not None
+        gap = (logprobs.detach() - rtd["infer_logprobs"].float())[rtd["response_mask"].bool()]
+        ratio = gap.exp()
+        clipped = ((ratio < 1 - clip) | (ratio > 1 + clip)).float()
+    figures.update(
+        loss=float(loss.detach()),
+        grad_norm=float(norm),
+        clip_frac=float(clipped.mean()) if clipped.numel() else 0.0,
+        logprob_gap=float(gap.abs().mean()) if gap.numel() else 0.0,
+    )
+    return figures

@@ -114,3 +114,18 @@ def test_run_on_two_engines_in_their_own_processes(tmp_path):
     assert "2 vllm engines" in result.stdout and "total" in result.stdout
     records = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
     assert len(records) == 16 and len({r["traj_uid"] for r in records}) == 16
+
+
+def test_run_defaults_to_the_warm_start_which_plays(tmp_path, capsys):
+    """`rollpipe run` with no --model uses the shipped warm start, and it wins episodes
+    (the random tiny model never writes a valid answer)."""
+    from rollpipe.policy.warm_start import SHIPPED_DIR
+
+    out = tmp_path / "out"
+    args = ["--batches", "1", "--batch-size", "16", "--group-size", "4", "--max-turns", "6"]
+    assert main(["run", "--engine", "hf", *args, "--out", str(out)]) == 0
+    assert str(SHIPPED_DIR) in capsys.readouterr().out
+    records = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    assert len(records) == 16
+    scores = [r["episode_scores"] for r in records]
+    assert sum(s > 0 for s in scores) >= 4, scores

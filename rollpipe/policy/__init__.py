@@ -1,0 +1,1 @@
+"""A policy that plays: expert data, the supervised warm start, held-out evaluation."""
