@@ -131,6 +131,11 @@ class PipelineConfig:
     threads (``env_workers``; 0: one per episode in flight), off the event loop, unless
     the env declares ``blocking = False`` (the built-in grid envs), which runs inline.
 
+    ``reward_clip`` (default None): a reward that is not finite in float32 fails its
+    episode (errored). Set to ``c > 0``, a reward beyond ``±c`` (±inf included) is
+    clipped to ``±c`` and counted in the batch metric ``rewards_clipped``; NaN, which
+    has no side to clip to, still fails the episode.
+
     ``layout``: ``"native"`` rows (``rollpipe.data.rows``), ``"roll"`` (ROLL's agentic
     field names, dtypes and placement: ``DataProto.to_roll()``) or ``"verl"`` (a real
     ``verl.protocol.DataProto`` in verl's agent-loop layout: ``to_verl()``, needs verl).
@@ -148,6 +153,9 @@ class PipelineConfig:
     env_workers: int = attrs.field(default=0, validator=int_at_least(0))
     env_timeout_s: float | None = attrs.field(
         default=DEFAULT_ENV_TIMEOUT_S, validator=_SECONDS_OR_NONE
+    )
+    reward_clip: float | None = attrs.field(
+        default=None, validator=optional(float_in(0.0, low_open=True))
     )
     env_backend: Literal["local", "ray"] = attrs.field(
         default="local", validator=one_of("local", "ray")

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollpipe.agent.chat import ChatFormat
-from rollpipe.agent.env_returns import EnvReturnError, check_reset, check_step
+from rollpipe.agent.env_returns import EnvReturnError, check_reset, check_step, clip_reward
 from rollpipe.agent.episode import run_episode
 from rollpipe.agent.records import EpisodeSpec
 from rollpipe.engines.records import SamplingParams
@@ -142,3 +142,47 @@ def test_check_step_accepts_exactly_finite_float32_numbers(reward: Any) -> None:
 def test_check_reset_passes_good_returns_through() -> None:
     assert check_reset(object(), ("obs", {"a": 1})) == ("obs", {"a": 1})
     assert check_step(object(), ("o", 1, 0, 1, {})) == ("o", 1.0, False, True, {})
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.floats(allow_nan=True, allow_infinity=True) | st.integers(-(10**400), 10**400),
+    st.floats(min_value=1e-3, max_value=1e3),
+)
+def test_clip_reward_bounds_every_number_but_nan(reward: Any, limit: float) -> None:
+    result, clipped = clip_reward(("o", reward, False, False, {}), limit)
+    value = float(reward) if not isinstance(reward, int) or abs(reward) < 10**300 else None
+    if value is not None and math.isnan(value):
+        assert not clipped and result[1] is reward  # NaN is left for check_step to reject
+        return
+    assert abs(result[1]) <= limit
+    assert clipped == (value is None or abs(value) > limit)
+    assert check_step(object(), result)[1] == result[1] or not clipped
+
+
+@pytest.mark.parametrize("mode", ["reward_inf", "reward_1e308", "reward_nan"])
+def test_reward_clip_clips_and_counts_but_nan_still_fails(
+    mode: str, vllm_engine: Any, tokenizer: Any
+) -> None:
+    config = PipelineConfig(
+        envs=[{"name": "corrupt_lake", "config": {"mode": mode}}],
+        group_size=2,
+        batch_size=4,
+        max_turns=2,
+        concurrency=8,
+        seed=3,
+        sampling={"max_tokens": 12},
+        reward_clip=2.0,
+    )
+    with RolloutPipeline(config, vllm_engine, tokenizer) as pipe:
+        batches = [pipe.get_batch() for _ in range(2)]
+    clipped = sum(b.meta_info["metrics"]["rewards_clipped"] for b in batches)
+    errored = sum(b.meta_info["metrics"]["dropped/errored"] for b in batches)
+    scores = torch.cat([b.batch["episode_scores"] for b in batches])
+    # at most two turns, each reward within ±2 (a corrupted one is clipped to it)
+    assert torch.isfinite(scores).all() and (scores.abs() <= 4.0).all()
+    if mode == "reward_nan":  # no side to clip to: still an error
+        assert clipped == 0 and errored >= 1
+    else:
+        assert clipped >= 1 and errored == 0
+        assert (scores.abs() >= 1.5).any()  # a clipped reward of ±2 is in some score

@@ -185,3 +185,35 @@ def test_patterns_that_are_not_literal_tags_use_the_regex() -> None:
     for pattern in (r"\[(.*?)\]", r"<a>(.+?)</a>", r"(.*?)</a>", r"A: (\w+)"):
         assert _literal_tags(pattern) is None
     assert parse_answer("go [Left] then [Up]", r"\[(.*?)\]") == "Up"
+
+
+def _best_time(fn: Any, repeats: int = 3) -> float:
+    import time
+
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.sampled_from(_TAG_PIECES), min_size=1, max_size=4))
+def test_parse_time_grows_linearly_on_repeated_tags(unit: list[str]) -> None:
+    """Any repeated mix of tags (the adversarial case for a regex): 8× the text takes
+    about 8× the time (a quadratic scan would take 64×; the bound is generous)."""
+    piece = "".join(unit)
+    small, large = piece * 2_000, piece * 16_000
+    ratio = _best_time(lambda: parse_answer(large)) / max(
+        _best_time(lambda: parse_answer(small)), 1e-5
+    )
+    assert ratio < 30, f"8x the text took {ratio:.1f}x the time: {piece!r}"
+
+
+def test_other_patterns_see_only_the_end_of_a_long_text() -> None:
+    from rollpipe.envs.parsing import REGEX_SCAN_CHARS
+
+    text = "[Left] " + "<" * (2 * REGEX_SCAN_CHARS) + " [Up]"
+    assert parse_answer(text, r"\[(.*?)\]") == "Up"
+    assert parse_answer("[Left]" + "x" * REGEX_SCAN_CHARS, r"\[(.*?)\]") is None

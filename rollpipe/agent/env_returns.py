@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["EnvReturnError", "check_reset", "check_step"]
+__all__ = ["EnvReturnError", "check_reset", "check_step", "clip_reward"]
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -48,6 +48,29 @@ def _flag(env: Any, name: str, value: Any) -> bool:
     raise _fail(env, "step", f"{name} that is not a bool", value)
 
 
+def _as_float(reward: Any) -> float:
+    """``float(reward)``, ±inf for an integer too large for a float."""
+    try:
+        return float(reward)
+    except OverflowError:
+        return math.inf if reward > 0 else -math.inf
+
+
+def clip_reward(result: Any, limit: float) -> tuple[Any, bool]:
+    """``result`` (a step return) with a numeric reward beyond ``±limit`` (±inf too)
+    replaced by ``±limit``, and whether it was; anything else (NaN, a non-number, a
+    malformed return) is left for :func:`check_step` to reject."""
+    if not (isinstance(result, tuple) and len(result) == 5):
+        return result, False
+    reward = result[1]
+    if isinstance(reward, (bool, np.bool_)) or not isinstance(reward, numbers.Real):
+        return result, False
+    value = _as_float(reward)
+    if math.isnan(value) or abs(value) <= limit:
+        return result, False
+    return (result[0], math.copysign(limit, value), *result[2:]), True
+
+
 def check_reset(env: Any, result: Any) -> tuple[str, Mapping[str, Any]]:
     if not (isinstance(result, tuple) and len(result) == 2):
         raise _fail(env, "reset", "something other than a 2-tuple", result)
@@ -67,7 +90,7 @@ def check_step(env: Any, result: Any) -> tuple[str, float, bool, bool, Mapping[s
         raise _fail(env, "step", "an observation that is not a str", observation)
     if isinstance(reward, (bool, np.bool_)) or not isinstance(reward, numbers.Real):
         raise _fail(env, "step", "a reward that is not a real number", reward)
-    value = float(reward)
+    value = _as_float(reward)
     if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
         raise _fail(env, "step", "a reward that is not finite in float32", reward)
     if not isinstance(info, Mapping):

@@ -42,7 +42,7 @@ from typing import Any, Literal, TypeVar
 
 from rollpipe._utils.seeding import derive_seed
 from rollpipe.agent.chat import ChatFormat
-from rollpipe.agent.env_returns import check_reset, check_step
+from rollpipe.agent.env_returns import check_reset, check_step, clip_reward
 from rollpipe.agent.env_threads import EnvLease, EnvThreads, EnvTimeoutError
 from rollpipe.agent.records import EndReason, EpisodeSpec, Trajectory, Turn
 from rollpipe.engines.protocol import Engine
@@ -79,6 +79,7 @@ class _Clock:
         self.env = 0.0
         self.engine = 0.0
         self.aborted_tokens = 0  # generated, then aborted by a pause and regenerated
+        self.clipped_rewards = 0  # step rewards clipped to ±reward_clip
 
 
 class _EnvCaller:
@@ -206,6 +207,7 @@ async def run_episode(
     env_timeout_s: float | None = DEFAULT_ENV_TIMEOUT_S,
     env_lease: EnvLease | None = None,
     env_calls_on_threads: bool = False,
+    reward_clip: float | None = None,
     raise_env_errors: bool = False,
     on_length: OnLength = "step",
     length_penalty: float | None = None,
@@ -228,7 +230,12 @@ async def run_episode(
     thread of its own for this episode. ``env_lease`` (the rollout's) is told when a call
     on a thread starts and returns, so the env is reused only once no call of it runs;
     ``env_calls_on_threads`` sends even ``blocking = False`` envs to the threads.
+    ``reward_clip``: see ``PipelineConfig.reward_clip``.
     """
+    if reward_clip is not None and not (
+        isinstance(reward_clip, (int, float)) and 0 < reward_clip < math.inf
+    ):
+        raise ValueError(f"reward_clip must be a number > 0 or None, got {reward_clip!r}")
     if env_timeout_s is not None and not (
         isinstance(env_timeout_s, (int, float)) and 0 < env_timeout_s < math.inf
     ):
@@ -253,7 +260,13 @@ async def run_episode(
     own_threads = env_threads is None  # run_episode alone: one thread, if the env blocks
     threads = EnvThreads(1, "rollpipe-episode-env") if env_threads is None else env_threads
     call_env = _EnvCaller(env, spec, threads, env_timeout_s, env_lease, env_calls_on_threads, clock)
-    checked_step = functools.partial(check_step, env)
+
+    def checked_step(result: Any) -> tuple[str, float, bool, bool, Any]:
+        if reward_clip is not None:
+            result, clipped = clip_reward(result, reward_clip)
+            clock.clipped_rewards += clipped
+        return check_step(env, result)
+
     session = Session(spec.episode_id)
     turns: list[Turn] = []
     context: list[int] = []  # conversation mode: every id the engine has seen or produced
@@ -280,6 +293,7 @@ async def run_episode(
             env_time_s=clock.env,
             engine_time_s=clock.engine,
             aborted_tokens=clock.aborted_tokens,
+            clipped_rewards=clock.clipped_rewards,
             final_observation=observation,
             history_window=chat.history_window,
             env_metrics=aggregate_metrics(metrics, agg_modes),

@@ -210,6 +210,7 @@ class Trajectory:
     env_time_s: float = 0.0
     engine_time_s: float = 0.0
     aborted_tokens: int = 0  # generated, aborted by suspend(mode="abort"), regenerated
+    clipped_rewards: int = 0  # step rewards clipped to ±reward_clip
     final_observation: str = ""
     history_window: int | None = None
     env_metrics: Mapping[str, float] = attrs.field(factory=dict, converter=_metrics, hash=False)
@@ -290,6 +291,7 @@ class Trajectory:
             "env_time_s": float(self.env_time_s),
             "engine_time_s": float(self.engine_time_s),
             "aborted_tokens": int(self.aborted_tokens),
+            "clipped_rewards": int(self.clipped_rewards),
             "final_observation": self.final_observation,
             "history_window": self.history_window,
             "env_metrics": dict(self.env_metrics),

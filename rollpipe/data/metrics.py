@@ -129,6 +129,7 @@ def batch_metrics(
         **_stats("response_length", response_lengths),
         "generated_tokens": generated,
         "aborted_tokens": float(sum(t.aborted_tokens for t in trajectories)),
+        "rewards_clipped": float(sum(t.clipped_rewards for t in trajectories)),
         "time/wall_s": float(wall_time_s),
         "time/env_s": env_time,
         "time/engine_wait_s": engine_time,

@@ -8,6 +8,8 @@ A pattern of the form ``OPEN(.*?)CLOSE`` with literal tags (the default is one) 
 matched by a linear scan for the tags, which finds exactly the spans ``re.finditer``
 finds: a regex engine retries the lazy group from every unclosed ``OPEN``, which is
 quadratic (160 KB of repeated ``<answer>`` took 30 s), and a model can write that.
+Any other pattern goes to the regex engine on the last :data:`REGEX_SCAN_CHARS`
+characters only, which bounds its worst case.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ DEFAULT_ANSWER_FORMAT = "<answer>{action}</answer>"
 """How the instruction shows an answer; ``{action}`` is replaced by an action name."""
 
 _STRIP_CHARS = " \t\r\n.!\"'`*"
+
+REGEX_SCAN_CHARS = 16_384
+"""How much of the end of a text a pattern that is not ``OPEN(.*?)CLOSE`` with literal
+tags is matched on: a regex can take quadratic time, and the answer comes last."""
 
 
 _FLAGS = re.IGNORECASE | re.DOTALL
@@ -77,7 +83,9 @@ def parse_answer(text: str, pattern: str | re.Pattern[str] = DEFAULT_ANSWER_PATT
     """The stripped content of the last match of ``pattern`` in ``text``, or None.
 
     The last match wins, so a model that mentions the format while thinking and
-    then answers is read by its final answer. Non-str ``text`` gives None.
+    then answers is read by its final answer. Non-str ``text`` gives None. Work is
+    linear in the text for literal tags; other patterns see its last
+    :data:`REGEX_SCAN_CHARS` characters.
     """
     if not isinstance(text, str):
         return None
@@ -88,7 +96,7 @@ def parse_answer(text: str, pattern: str | re.Pattern[str] = DEFAULT_ANSWER_PATT
         return None if span is None else span.strip()
     compiled = compile_answer_pattern(pattern) if isinstance(pattern, str) else pattern
     last: re.Match[str] | None = None
-    for last in compiled.finditer(text):  # noqa: B007 - keep the final match
+    for last in compiled.finditer(text[-REGEX_SCAN_CHARS:]):  # noqa: B007 - keep the final match
         pass
     if last is None:
         return None
