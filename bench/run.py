@@ -1,7 +1,8 @@
 """Run the benchmarks: ``python -m bench.run [--quick] [--only a,b] [--repeats N]``.
 
-Prints one table, writes ``bench/results/latest.json`` (one flat object, overwritten
-each run), ``bench/results/latest.md`` (the table, for docs/performance.md) and a dated
+Prints one table, writes ``bench/results/latest.json`` (one flat object; a run of some
+benchmarks with ``--only`` updates theirs and keeps the rest, ``run_<name>`` naming the
+run each came from), ``bench/results/latest.md`` (the table, for docs/performance.md) and a dated
 copy ``bench/results/<date>[-quick].json``.
 """
 
@@ -148,6 +149,16 @@ def table(figures: Figures) -> str:
     return "\n".join(lines) + "\n"
 
 
+def merged_with_latest(figures: Figures, out_dir: Path) -> Figures:
+    """A run of some benchmarks (``--only``) on top of ``latest.json``: the others keep
+    their figures, and each benchmark's ``run_<name>`` says which run it came from."""
+    try:
+        previous = json.loads((out_dir / "latest.json").read_text())
+    except (OSError, ValueError):
+        return figures
+    return {**previous, **figures} if isinstance(previous, dict) else figures
+
+
 def write_results(figures: Figures, out_dir: Path, quick: bool) -> list[Path]:
     """latest.json, latest.md and the dated copy; returns the paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -229,6 +240,7 @@ def main(argv: Sequence[str] | None = None) -> Figures:
             module = importlib.import_module(f"bench.{name}")
             figures.update(module.run(ctx))
             figures[f"time_{name}_s"] = rounded(time.perf_counter() - t0)
+            figures[f"run_{name}"] = f"{figures['date']} {figures['command']}"
             gc.collect()
     finally:
         if engine is not None:
@@ -237,6 +249,8 @@ def main(argv: Sequence[str] | None = None) -> Figures:
     print()
     print(table(figures))
     if not args.no_write:
+        if set(args.only) != set(BENCHMARKS):
+            figures = merged_with_latest(figures, args.out_dir)
         for path in write_results(figures, args.out_dir, args.quick):
             log(f"wrote {path}")
     return figures

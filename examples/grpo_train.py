@@ -48,7 +48,7 @@ def main(
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--steps", type=int, default=160)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-4)
@@ -56,7 +56,7 @@ if __name__ == "__main__":
         "--turn-weight", type=float, default=1.0, help="GiGPO turn-level advantage weight"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--eval-every", type=int, default=40)
     parser.add_argument("--eval-episodes", type=int, default=200)
     parser.add_argument("--model", type=Path, help="HF model directory (default: warm start)")
     parser.add_argument("--plot", type=Path, default=Path("grpo_curve.png"))

@@ -90,6 +90,14 @@ def plot_curve(history: list[dict[str, Any]], evals: list[dict[str, Any]], path:
         color="C3",
         label=f"held-out ({int(evals[0]['episodes'])} seeds, greedy)" if evals else "held-out",
     )
+    if evals and "sampled_success" in evals[0]:
+        top.plot(
+            [e["step"] for e in evals],
+            [e["sampled_success"] for e in evals],
+            "s--",
+            color="C1",
+            label="held-out, sampled (temperature 1)",
+        )
     top.set_ylabel("success rate")
     top.set_ylim(0, 1)
     top.legend(loc="lower right")
@@ -111,7 +119,7 @@ def plot_curve(history: list[dict[str, Any]], evals: list[dict[str, Any]], path:
 
 
 def train(
-    steps: int = 80,
+    steps: int = 160,
     batch_size: int = 128,
     group_size: int = 8,
     lr: float = 2e-4,
@@ -120,7 +128,7 @@ def train(
     loss_agg_mode: str = "token-mean",
     turn_weight: float = 1.0,
     warmup: int = 5,
-    eval_every: int = 20,
+    eval_every: int = 40,
     eval_episodes: int = 200,
     model_path: str | Path | None = None,
     engine: Any = None,
