@@ -396,8 +396,9 @@ def test_server_death_fails_requests_and_close_leaves_nothing(
         os.kill(server.pid, signal.SIGKILL)  # the API server crashes; its children linger
         started = time.perf_counter()
         with pytest.raises(EngineError, match=f"{server.url}.*unreachable"):
-            pending.result(timeout=30)
-        assert time.perf_counter() - started < 5
+            pending.result(timeout=60)
+        # promptly, not when a request timeout fires; generous: took 5.8 s once under CI load
+        assert time.perf_counter() - started < 20
     assert not engine.alive
     started = time.perf_counter()
     with pytest.raises(EngineError, match="died"):
