@@ -45,7 +45,9 @@ def server(tiny_model_path: Path) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def engine(server: ServerProcess) -> Iterator[ServerEngine]:
-    e = ServerEngine(server.url)
+    # A generous connect limit: on 2 busy cores a request sent while the server holds 32
+    # aborted ones once took over the 5 s default to connect, and the module cascaded.
+    e = ServerEngine(server.url, connect_timeout_s=30.0)
     try:
         yield e
     finally:
@@ -248,12 +250,14 @@ def test_pause_abort_returns_partial_tokens_and_holds_new_requests(
         # even on an idle machine (4 x 1000 tokens finished before the pause once)
         tasks = await start_then_probe(engine, prompts * 8, LONG.replace(max_tokens=1900))
         await asyncio.to_thread(engine.pause, "abort")
-        gens = list(await asyncio.wait_for(asyncio.gather(*tasks), 30))
-        assert json.loads(server_get(server, "/is_paused"))["is_paused"] is True
-        later = asyncio.ensure_future(engine.generate(prompts[0], GREEDY))
-        await asyncio.sleep(0.3)
-        assert not later.done(), "a request ran while paused"
-        await asyncio.to_thread(engine.resume)
+        try:
+            gens = list(await asyncio.wait_for(asyncio.gather(*tasks), 30))
+            assert json.loads(server_get(server, "/is_paused"))["is_paused"] is True
+            later = asyncio.ensure_future(engine.generate(prompts[0], GREEDY))
+            await asyncio.sleep(0.3)
+            assert not later.done(), "a request ran while paused"
+        finally:  # never leave the module's server paused for the next tests
+            await asyncio.to_thread(engine.resume)
         return gens, await asyncio.wait_for(later, 60)
 
     gens, later = asyncio.run(main())
@@ -385,9 +389,11 @@ def test_a_server_that_is_down_raises_promptly() -> None:
 
 
 def test_server_death_fails_requests_and_close_leaves_nothing(
-    server: ServerProcess, engine: ServerEngine, prompts: list[list[int]]
+    server: ServerProcess, prompts: list[list[int]]
 ) -> None:
-    """Runs last: kills the module's server."""
+    """Runs last: kills the module's server. Its own engine, with the default 5 s connect
+    limit (the module's engine waits longer)."""
+    engine = ServerEngine(server.url)
     members = server.members()
     assert len(members) >= 3  # API server, engine core, worker
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -409,3 +415,4 @@ def test_server_death_fails_requests_and_close_leaves_nothing(
     for pid in members:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
     server.close()  # idempotent
+    engine.close()

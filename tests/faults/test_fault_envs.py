@@ -188,5 +188,7 @@ def test_errored_members_of_a_dropped_group_are_all_counted(
     injected = len(FaultLake.log)
     assert injected > 4 and total["errored_trajectories"] == injected
     assert total["redundant"] == 0
-    assert total["errored"] * cfg.group_size <= injected  # several errors per dropped group
+    # more errors than dropped groups: members' errors after a group's first are counted
+    # too (how many members started before the drop depends on scheduling)
+    assert total["errored_trajectories"] > total["errored"]
     assert len(batches) * cfg.batch_size == 6 * cfg.group_size
