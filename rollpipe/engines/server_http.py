@@ -43,6 +43,8 @@ ROUTES = ("auto", "generate", "completions")
 ABORT_GRACE_S = 2.0  # after /pause?mode=abort, how long aborted answers may take to arrive
 CONTROL_TIMEOUT_S = 600.0  # one pause, resume or weight-reload call
 PROBE_TIMEOUT_S = 30.0  # one look-up when the engine starts
+# vLLM drops a connection idle 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); a request sent on one then
+KEEPALIVE_S = 2.0  # fails "Server disconnected" and kills the engine: reuse younger ones only
 _ABORTED = Generation((), (), "abort", ())
 
 
@@ -112,7 +114,8 @@ class ServerBackend:
     async def start(cls, url: str, link: EngineLink, options: ServerOptions) -> ServerBackend:
         import aiohttp
 
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+        session = aiohttp.ClientSession(connector=connector)
         backend = cls(session, url, link, options)
         try:
             await backend._probe()
@@ -147,10 +150,9 @@ class ServerBackend:
             raise error from e
         except TimeoutError as e:
             raise EngineError(f"{method} {self.url}{path} got no answer in {timeout} s") from e
-        try:
+        with contextlib.suppress(ValueError):
             return status, json.loads(raw)
-        except ValueError:
-            return status, raw.decode(errors="replace")
+        return status, raw.decode(errors="replace")
 
     async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
         """An HTTP call that must succeed; raises EngineError naming the endpoint."""
@@ -240,6 +242,15 @@ class ServerBackend:
             if not self.inflight:
                 self.idle.set()
 
+    def _answer_held(self, outcome: bool | BaseException) -> None:
+        """Release the held requests: resume (True), abort (False) or the engine's death."""
+        held, self.held = self.held, []
+        for fut in (f for f in held if not f.done()):
+            if isinstance(outcome, BaseException):
+                fut.set_exception(outcome)
+            else:
+                fut.set_result(outcome)
+
     async def _hold(self) -> bool:
         """Wait for resume (True) or an abort (False)."""
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
@@ -325,10 +336,7 @@ class ServerBackend:
             if not call.task.done():
                 call.aborted = True
                 call.task.cancel()
-        held, self.held = self.held, []
-        for fut in held:
-            if not fut.done():
-                fut.set_result(False)
+        self._answer_held(False)
         await self.idle.wait()
 
     async def resume(self) -> None:
@@ -336,10 +344,7 @@ class ServerBackend:
             if self.server_paused:
                 await self._server_resume()
         finally:
-            held, self.held = self.held, []
-            for fut in held:
-                if not fut.done():
-                    fut.set_result(True)
+            self._answer_held(True)
 
     async def load_weights(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
         self._require("/collective_rpc", "update_weights")
@@ -379,22 +384,17 @@ class ServerBackend:
             shutil.rmtree(previous, ignore_errors=True)
 
     async def shutdown(self, error: BaseException) -> None:
-        held, self.held = self.held, []
-        for fut in held:
-            if not fut.done():
-                fut.set_exception(error)
+        self._answer_held(error)
         for call in self.inflight.values():
             call.task.cancel()  # closes the connection: the server aborts the request
         try:
             if self.server_paused:  # never leave the server paused for its other clients
-                await asyncio.wait_for(self._server_resume(), 5)
-        except Exception:
-            pass
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._server_resume(), 5)
         finally:
             await self.session.close()
 
     def release(self) -> None:
-        if self.own_weights_dir and self.weights_dir is not None:
-            shutil.rmtree(self.weights_dir, ignore_errors=True)
-        elif self.loaded is not None:
-            shutil.rmtree(self.loaded, ignore_errors=True)
+        mine = self.weights_dir if self.own_weights_dir else self.loaded
+        if mine is not None:  # never a user's weights_dir, only what this backend wrote
+            shutil.rmtree(mine, ignore_errors=True)
