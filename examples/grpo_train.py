@@ -48,12 +48,17 @@ def main(
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=160)
+    parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument(
         "--turn-weight", type=float, default=1.0, help="GiGPO turn-level advantage weight"
+    )
+    parser.add_argument(
+        "--mini-batch-size",
+        type=int,
+        help="rows per optimizer step (verl's ppo_mini_batch_size; default: the whole batch)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-every", type=int, default=40)
@@ -68,6 +73,7 @@ if __name__ == "__main__":
         group_size=args.group_size,
         lr=args.lr,
         turn_weight=args.turn_weight,
+        mini_batch_size=args.mini_batch_size,
         seed=args.seed,
         eval_every=args.eval_every,
         eval_episodes=args.eval_episodes,

@@ -189,41 +189,73 @@ def grpo_step(
     scale: bool = True,
     advantages: torch.Tensor | None = None,
     loss_agg_mode: str = "token-mean",
+    mini_batch_size: int | None = None,
 ) -> dict[str, float]:
     """One GRPO update on ``batch``: advantages of ``episode_scores`` within
     ``traj_group_id`` groups (or the given ``advantages``), the clipped loss on the
-    response tokens of the rows with a non-zero advantage, one optimizer step.
+    response tokens of the rows with a non-zero advantage, one optimizer step per
+    ``mini_batch_size`` of those rows (verl's ``ppo_mini_batch_size``, in rows, taken in
+    order; None: one step on all of them). Ratios after the first step are against the
+    engine's ``infer_logprobs``, so the clip bounds how far the later steps move.
 
     Rows of zero advantage (a group whose members all scored the same) have no
     gradient, so they are left out of the forward pass; the loss is the token mean over
     the rows that remain (``loss_agg_mode``, see :func:`policy_loss`; with none, no step
-    is taken). Returns the step's figures:
+    is taken). Returns the step's figures, means over its optimizer steps:
     ``loss``, ``grad_norm`` (before clipping), ``active_rows`` (fraction of rows with a
     non-zero advantage), ``clip_frac`` (fraction of their response tokens whose ratio left
-    ``[1 - clip, 1 + clip]``) and ``logprob_gap`` (mean ``|trainer - infer_logprobs|`` on
-    those tokens before the step: near 0 when the engine ran the trainer's weights).
+    ``[1 - clip, 1 + clip]``), ``logprob_gap`` (mean ``|trainer - infer_logprobs|`` on
+    the first mini-batch's tokens before its step: near 0 when the engine ran the
+    trainer's weights) and ``updates`` (optimizer steps taken).
     """
     td = batch.batch
     if td is None:
         raise ValueError("grpo_step needs a DataProto with tensors")
+    if mini_batch_size is not None and mini_batch_size < 1:
+        raise ValueError(f"grpo_step: mini_batch_size must be >= 1 or None, not {mini_batch_size}")
     if advantages is None:
         advantages = group_advantages(td["episode_scores"], td["traj_group_id"], scale=scale)
     rows, adv = active_rows(batch, advantages)
     figures = {"loss": 0.0, "grad_norm": 0.0, "active_rows": len(rows) / max(1, len(batch))}
-    figures.update(clip_frac=0.0, logprob_gap=0.0)
-    if len(rows) == 0:
-        return figures
+    figures.update(clip_frac=0.0, logprob_gap=0.0, updates=0.0)
+    size = mini_batch_size or max(1, len(rows))
+    steps = [
+        _update(
+            policy,
+            optimizer,
+            rows[i : i + size],
+            adv[i : i + size],
+            clip,
+            max_grad_norm,
+            loss_agg_mode,
+        )
+        for i in range(0, len(rows), size)
+    ]
+    if steps:
+        for key in ("loss", "grad_norm", "clip_frac"):
+            figures[key] = sum(s[key] for s in steps) / len(steps)
+        figures.update(logprob_gap=steps[0]["logprob_gap"], updates=float(len(steps)))
+    return figures
+
+
+def _update(
+    policy: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rows: DataProto,
+    adv: torch.Tensor,
+    clip: float,
+    max_grad_norm: float | None,
+    loss_agg_mode: str,
+) -> dict[str, float]:
+    """One optimizer step on ``rows``; the figures :func:`grpo_step` reports."""
     policy.train()
     logprobs = token_logprobs(policy, rows, share_prefix=True)
     loss = policy_loss(logprobs, rows, adv, clip=clip, loss_agg_mode=loss_agg_mode)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    grads = [p.grad for p in policy.parameters() if p.grad is not None]
-    if max_grad_norm is None:
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-    else:
-        params = [p for p in policy.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    params = [p for p in policy.parameters() if p.grad is not None]
+    limit = float("inf") if max_grad_norm is None else max_grad_norm  # inf: measure only
+    norm = torch.nn.utils.clip_grad_norm_(params, limit)
     optimizer.step()
     with torch.no_grad():
         rtd = rows.batch
@@ -231,10 +263,9 @@ def grpo_step(
         gap = (logprobs.detach() - rtd["infer_logprobs"].float())[rtd["response_mask"].bool()]
         ratio = gap.exp()
         clipped = ((ratio < 1 - clip) | (ratio > 1 + clip)).float()
-    figures.update(
-        loss=float(loss.detach()),
-        grad_norm=float(norm),
-        clip_frac=float(clipped.mean()) if clipped.numel() else 0.0,
-        logprob_gap=float(gap.abs().mean()) if gap.numel() else 0.0,
-    )
-    return figures
+    return {
+        "loss": float(loss.detach()),
+        "grad_norm": float(norm),
+        "clip_frac": float(clipped.mean()) if clipped.numel() else 0.0,
+        "logprob_gap": float(gap.abs().mean()) if gap.numel() else 0.0,
+    }

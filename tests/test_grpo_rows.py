@@ -221,3 +221,32 @@ def test_grpo_step_on_the_weights_moves_tokens_the_advantages_way(
     assert up.mean() > 0 > down.mean()
     # tokens share weights, so not every one need move its own way; most do
     assert (up > 0).float().mean() > 0.75 and (down < 0).float().mean() > 0.75
+
+
+@pytest.mark.parametrize("size", [1, 3, 8, None])
+def test_mini_batches_take_one_optimizer_step_each(
+    policy_and_batch: Any, tiny_model_path: Any, size: int | None
+) -> None:
+    """``mini_batch_size`` (verl's ``ppo_mini_batch_size``, in rows): one Adam step per
+    slice of the active rows; the first slice still sees the engine's exact weights."""
+    from transformers import AutoModelForCausalLM
+
+    _, batch = policy_and_batch
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    optimizer = torch.optim.Adam(policy.parameters(), lr=1e-3)
+    figures = grpo_step(
+        policy, optimizer, batch, advantages=_advantages(batch), mini_batch_size=size
+    )
+    expected = -(-len(batch) // (size or len(batch)))  # every row is active
+    assert figures["updates"] == expected
+    steps = {int(s["step"]) for s in optimizer.state.values()}
+    assert steps == {expected}
+    assert figures["logprob_gap"] < 2e-4
+    assert figures["clip_frac"] >= 0 and figures["grad_norm"] > 0
+
+
+def test_mini_batch_size_must_be_positive(policy_and_batch: Any) -> None:
+    policy, batch = policy_and_batch
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
+    with pytest.raises(ValueError, match="mini_batch_size must be >= 1 or None, not 0"):
+        grpo_step(policy, optimizer, batch, mini_batch_size=0)

@@ -100,7 +100,7 @@ def plot_curve(history: list[dict[str, Any]], evals: list[dict[str, Any]], path:
         )
     top.set_ylabel("success rate")
     top.set_ylim(0, 1)
-    top.legend(loc="lower right")
+    top.legend(loc="upper left", fontsize="small")
     top.grid(alpha=0.3)
     bottom.plot(steps, [h["score"] for h in history], ".", alpha=0.4, label="training batch")
     bottom.plot(steps, _moving_mean([h["score"] for h in history]), color="C0")
@@ -109,7 +109,7 @@ def plot_curve(history: list[dict[str, Any]], evals: list[dict[str, Any]], path:
     )
     bottom.set_xlabel("GRPO step (0: the warm start)")
     bottom.set_ylabel("mean episode score")
-    bottom.legend(loc="lower right")
+    bottom.legend(loc="upper left", fontsize="small")
     bottom.grid(alpha=0.3)
     fig.suptitle("GRPO on FrozenLake from the warm start (CPU)")
     fig.tight_layout()
@@ -119,7 +119,7 @@ def plot_curve(history: list[dict[str, Any]], evals: list[dict[str, Any]], path:
 
 
 def train(
-    steps: int = 160,
+    steps: int = 120,
     batch_size: int = 128,
     group_size: int = 8,
     lr: float = 2e-4,
@@ -128,6 +128,7 @@ def train(
     loss_agg_mode: str = "token-mean",
     turn_weight: float = 1.0,
     warmup: int = 5,
+    mini_batch_size: int | None = None,
     eval_every: int = 40,
     eval_episodes: int = 200,
     model_path: str | Path | None = None,
@@ -216,6 +217,7 @@ def train(
                     batch,
                     advantages=gigpo_advantages(batch, turn_weight),
                     loss_agg_mode=loss_agg_mode,
+                    mini_batch_size=mini_batch_size,
                 )
                 scheduler.step()
                 pipe.suspend()  # no new episodes or requests while the weights change
