@@ -100,6 +100,7 @@ def build_nodes(
         concurrency=config.concurrency,
         env_workers=config.env_workers,
         env_timeout_s=config.env_timeout_s,
+        generation_timeout_s=config.generation_timeout_s,
         reward_clip=config.reward_clip,
         in_order=config.admission_order,
         control=signals,

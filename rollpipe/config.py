@@ -130,6 +130,9 @@ class PipelineConfig:
     errored group) while every other episode and the engine go on. Envs run on env
     threads (``env_workers``; 0: one per episode in flight), off the event loop, unless
     the env declares ``blocking = False`` (the built-in grid envs), which runs inline.
+    ``generation_timeout_s`` (default None: no limit) limits each
+    engine request the same way: over it, the request is aborted and its episode errored.
+    Time the engine spends paused (``suspend``) does not count.
 
     ``reward_clip`` (default None): a reward that is not finite in float32 fails its
     episode (errored). Set to ``c > 0``, a reward beyond ``±c`` (±inf included) is
@@ -154,6 +157,7 @@ class PipelineConfig:
     env_timeout_s: float | None = attrs.field(
         default=DEFAULT_ENV_TIMEOUT_S, validator=_SECONDS_OR_NONE
     )
+    generation_timeout_s: float | None = attrs.field(default=None, validator=_SECONDS_OR_NONE)
     reward_clip: float | None = attrs.field(
         default=None, validator=optional(float_in(0.0, low_open=True))
     )

@@ -34,6 +34,7 @@ BAD: dict[str, list[Any]] = {
     "concurrency": [0, 1.5, "32", True, None],
     "env_workers": [-1, 1.5, "2", True, None],
     "env_timeout_s": [0, -1, math.nan, math.inf, "60", True],
+    "generation_timeout_s": [0, -1, math.nan, math.inf, "60", True],
     "reward_clip": [0, -1, math.nan, math.inf, "1", True],
     "env_backend": ["ray2", None, 1, True],
     "sampling": [

@@ -133,6 +133,7 @@ def test_engines_satisfy_the_protocol() -> None:
             "__exit__",
             "version",
             "is_paused",
+            "interruptions",
         ):
             assert hasattr(cls, name), (cls, name)
     assert Engine is not None

@@ -41,6 +41,27 @@ def test_errors_cross_the_bridge_with_their_type(runtime):
         runtime.call(boom())
 
 
+def test_a_coroutines_own_timeout_error_is_not_mistaken_for_the_wait(runtime):
+    """An env's or a request's TimeoutError crosses the bridge as it is; only the wait's
+    own limit reports "no result within"."""
+
+    class EnvTimedOut(TimeoutError):
+        pass
+
+    async def times_out():
+        raise EnvTimedOut("the env's own")
+
+    async def slow():
+        await asyncio.sleep(10)
+
+    scope = runtime.scope("caller")
+    for timeout in (None, 5.0):
+        with pytest.raises(EnvTimedOut, match="the env's own"):
+            scope.call(times_out(), timeout)
+    with pytest.raises(TimeoutError, match=r"caller: no result within 0\.05 s"):
+        scope.call(slow(), 0.05)
+
+
 def test_call_on_the_loop_itself_raises_instead_of_hanging(runtime):
     async def inner():
         return 1

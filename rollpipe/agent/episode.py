@@ -14,7 +14,8 @@ Outcomes, each defined (never a hang):
 * the next prompt leaves no room to generate within ``max_length`` (also at turn 0,
   giving a trajectory with no turns) -> ``"max_length"``;
 * the env raises, returns something malformed (see ``env_returns``), reports malformed
-  ``info["metrics"]`` or a call outlives ``env_timeout_s`` -> ``"error"``; the error
+  ``info["metrics"]`` or a call outlives ``env_timeout_s``, or an engine request outlives
+  ``generation_timeout_s`` (optional; time paused does not count) -> ``"error"``; the error
   text is the exception's repr followed by where: env class and call, env name, seed,
   episode and turn (re-raised instead with ``raise_env_errors=True``); engine errors
   always propagate;
@@ -44,6 +45,7 @@ from rollpipe._utils.seeding import derive_seed
 from rollpipe.agent.chat import ChatFormat
 from rollpipe.agent.env_returns import check_reset, check_step, clip_reward
 from rollpipe.agent.env_threads import EnvLease, EnvThreads, EnvTimeoutError
+from rollpipe.agent.generation_timeout import GenerationTimeoutError, answer_within
 from rollpipe.agent.records import EndReason, EpisodeSpec, Trajectory, Turn
 from rollpipe.engines.protocol import Engine
 from rollpipe.engines.records import EngineError, Generation, SamplingParams
@@ -63,11 +65,14 @@ DEFAULT_ENV_TIMEOUT_S = 60.0
 
 
 class _EnvFailed(Exception):
-    """Internal: wraps an exception raised by the env (``error``), with where it happened."""
+    """Internal: wraps an exception raised by the env (``error``), with where it happened;
+    also a request over ``generation_timeout_s``, which fails its episode the same way."""
 
     def __init__(self, error: Exception, where: str) -> None:
         if isinstance(error, EnvTimeoutError):
             text = f"EnvTimeoutError({where}: {error}; raise env_timeout_s or fix the env)"
+        elif isinstance(error, GenerationTimeoutError):
+            text = f"GenerationTimeoutError({where}: {error}; raise generation_timeout_s)"
         else:
             text = f"{error!r} (in {where})"
         super().__init__(text)
@@ -101,12 +106,13 @@ class _EnvCaller:
         self.lease, self.clock = lease, clock
         self.inline = not force_threads and not is_blocking(env)
 
+    def episode(self, turn: int) -> str:
+        spec = self.spec
+        return f"env {spec.env!r}, seed {spec.seed}, episode {spec.episode_id}, turn {turn}"
+
     def where(self, name: str, turn: int) -> str:
         limit = f", env_timeout_s={self.timeout}" if self.timeout is not None else ""
-        return (
-            f"{type(self.env).__name__}.{name}: env {self.spec.env!r}, seed {self.spec.seed}, "
-            f"episode {self.spec.episode_id}, turn {turn}{limit}"
-        )
+        return f"{type(self.env).__name__}.{name}: {self.episode(turn)}{limit}"
 
     async def __call__(self, name: str, turn: int, check: Callable[[Any], T], arg: Any) -> T:
         fn = getattr(self.env, name)
@@ -153,6 +159,7 @@ async def _generate(
     max_aborts: int,
     clock: _Clock,
     session: Session,
+    limit: float | None = None,
 ) -> Generation:
     """One engine request, re-sent when the engine aborts it (paused with ``abort``).
 
@@ -165,7 +172,7 @@ async def _generate(
             await admit()
         start = time.perf_counter()
         with in_session(session):  # an engine pool keeps the episode on one rank
-            gen = await engine.generate(prompt, params)
+            gen = await answer_within(engine, engine.generate(prompt, params), limit)
         clock.engine += time.perf_counter() - start
         if gen.finish_reason != "abort":
             return gen
@@ -207,6 +214,7 @@ async def run_episode(
     env_timeout_s: float | None = DEFAULT_ENV_TIMEOUT_S,
     env_lease: EnvLease | None = None,
     env_calls_on_threads: bool = False,
+    generation_timeout_s: float | None = None,
     reward_clip: float | None = None,
     raise_env_errors: bool = False,
     on_length: OnLength = "step",
@@ -230,18 +238,18 @@ async def run_episode(
     thread of its own for this episode. ``env_lease`` (the rollout's) is told when a call
     on a thread starts and returns, so the env is reused only once no call of it runs;
     ``env_calls_on_threads`` sends even ``blocking = False`` envs to the threads.
-    ``reward_clip``: see ``PipelineConfig.reward_clip``.
+    ``reward_clip``, ``generation_timeout_s``: see ``PipelineConfig``.
     """
     if reward_clip is not None and not (
         isinstance(reward_clip, (int, float)) and 0 < reward_clip < math.inf
     ):
         raise ValueError(f"reward_clip must be a number > 0 or None, got {reward_clip!r}")
-    if env_timeout_s is not None and not (
-        isinstance(env_timeout_s, (int, float)) and 0 < env_timeout_s < math.inf
+    for name, limit in (
+        ("env_timeout_s", env_timeout_s),
+        ("generation_timeout_s", generation_timeout_s),
     ):
-        raise ValueError(
-            f"env_timeout_s must be a number of seconds > 0 or None, got {env_timeout_s!r}"
-        )
+        if limit is not None and not (isinstance(limit, (int, float)) and 0 < limit < math.inf):
+            raise ValueError(f"{name} must be a number of seconds > 0 or None, got {limit!r}")
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
     if max_length < 2:
@@ -315,7 +323,13 @@ async def run_episode(
                 seed=derive_seed(spec.seed, spec.episode_id, t),
                 stop_token_ids=stop_ids,
             )
-            gen = await _generate(engine, prompt, params, admit, max_aborts, clock, session)
+            try:
+                gen = await _generate(
+                    engine, prompt, params, admit, max_aborts, clock, session, generation_timeout_s
+                )
+            except GenerationTimeoutError as exc:
+                where = f"engine request: {call_env.episode(t)}"
+                raise _EnvFailed(exc, f"{where}, generation_timeout_s={exc.limit}") from exc
             fields = _turn(added, gen, chat.decode(gen.token_ids), observation)
             if not windowed:
                 context = [*prompt, *gen.token_ids]

@@ -42,6 +42,7 @@ class BaseEngine:
     ) -> None:
         self._version = check_int(f"{type(self).__name__}: version", version, 0)
         self._pause_mode: PauseMode | None = None
+        self._interruptions = 0  # pauses, resumes and weight updates so far
         self._closed = False
         self._dead: BaseException | None = None
         self._control = asyncio.Lock()  # one pause / resume / weight update at a time
@@ -72,6 +73,11 @@ class BaseEngine:
     @property
     def is_paused(self) -> bool:
         return self._pause_mode is not None
+
+    @property
+    def interruptions(self) -> int:
+        """Pauses and weight updates so far (see ``Engine.interruptions``)."""
+        return self._interruptions
 
     @property
     def pause_mode(self) -> PauseMode | None:
@@ -200,6 +206,7 @@ class BaseEngine:
     async def _pause(self, mode: PauseMode) -> None:
         async with self._control:
             previous, self._pause_mode = self._pause_mode, mode
+            self._interruptions += 1
             try:
                 await self._backend.pause(mode)
             except BaseException:
@@ -209,6 +216,7 @@ class BaseEngine:
     async def _resume(self) -> None:
         async with self._control:
             self._pause_mode = None
+            self._interruptions += 1
             await self._backend.resume()
 
     async def _load_weights(
@@ -216,5 +224,6 @@ class BaseEngine:
     ) -> None:
         async with self._control:
             new_version = self._version + 1 if version is None else version
+            self._interruptions += 1
             await self._backend.load_weights(named, new_version)
             self._version = new_version  # no await since the load: see Backend.load_weights

@@ -83,6 +83,7 @@ class EnginePool:
         self._all_devices = frozenset().union(*device_sets)
         self._version = versions[0]
         self._pause_mode: PauseMode | None = None
+        self._interruptions = 0  # pauses, resumes and weight updates so far
         self._weights: list[tuple[str, torch.Tensor]] | None = None  # CPU copy, for expand
         self._control = threading.Lock()  # one pause / resume / update / shrink / expand
         self._runtime = Runtime("rollpipe-engine-pool")
@@ -112,6 +113,10 @@ class EnginePool:
     @property
     def is_paused(self) -> bool:
         return self._pause_mode is not None
+
+    @property
+    def interruptions(self) -> int:
+        return self._interruptions
 
     @property
     def runtime(self) -> Runtime:
@@ -200,6 +205,7 @@ class EnginePool:
         with self._control:
             self._check_open()
             previous, self._pause_mode = self._pause_mode, mode
+            self._interruptions += 1
             paused: list[Engine] = []
             try:
                 for engine in self._table.active_engines():
@@ -217,6 +223,7 @@ class EnginePool:
         with self._control:
             self._check_open()
             self._pause_mode = None
+            self._interruptions += 1
             for engine in self._table.active_engines():
                 engine.resume()
 
@@ -229,6 +236,7 @@ class EnginePool:
         with self._control:
             self._check_open()
             new_version = self._version + 1 if version is None else version
+            self._interruptions += 1
             for engine in self._table.active_engines():
                 engine.update_weights(named, version=new_version)
             self._weights = [(name, t.to("cpu", copy=True)) for name, t in named]

@@ -39,6 +39,12 @@ class Engine(Protocol):
     @property
     def is_paused(self) -> bool: ...
 
+    @property
+    def interruptions(self) -> int:
+        """Pauses, resumes and weight updates so far: each may hold requests on purpose
+        (``generation_timeout_s`` starts again after one)."""
+        ...
+
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation: ...
 
     def generate_batch(

@@ -201,6 +201,8 @@ class Scope:
         try:
             return future.result(timeout)
         except TimeoutError:
+            if future.done():  # the coroutine's own TimeoutError (an env's, a request's)
+                return future.result()
             future.cancel()
             raise TimeoutError(f"{self.name}: no result within {timeout} s") from None
 

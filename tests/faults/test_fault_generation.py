@@ -1,0 +1,103 @@
+"""An engine request over ``generation_timeout_s``, on the real vLLM engine: its episode
+fails with the reason and the request is aborted in the engine; time the engine spends
+paused does not count against the limit."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+from faulty import assert_back_to, threads_now
+
+from rollpipe.agent.chat import ChatFormat
+from rollpipe.agent.episode import run_episode
+from rollpipe.agent.generation_timeout import GenerationTimeoutError, answer_within
+from rollpipe.agent.records import EpisodeSpec
+from rollpipe.engines.records import SamplingParams
+from rollpipe.envs import FrozenLake
+from rollpipe.pipeline import PipelineConfig, RolloutPipeline
+
+# Far longer than the limits below on any CPU: 1800 tokens one at a time.
+ENDLESS = SamplingParams(max_tokens=1800, temperature=0.0, ignore_eos=True)
+
+
+def _engine_idle(engine: Any, within_s: float = 10.0) -> bool:
+    """Whether the engine runs no request within ``within_s`` (cancellation reaches its
+    loop asynchronously)."""
+    deadline = time.monotonic() + within_s
+    while engine._backend.active and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return not engine._backend.active
+
+
+def test_a_request_over_the_limit_fails_its_episode_and_is_aborted(
+    vllm_engine: Any, tokenizer: Any
+) -> None:
+    spec = EpisodeSpec(group_id=3, episode_id=7, seed=5)
+    start = time.monotonic()
+    trajectory = asyncio.run(
+        run_episode(
+            spec,
+            FrozenLake(),
+            vllm_engine,
+            ChatFormat(tokenizer),
+            sampling=ENDLESS,
+            max_turns=2,
+            max_length=2040,
+            generation_timeout_s=0.3,
+        )
+    )
+    took = time.monotonic() - start
+    assert trajectory.end_reason == "error" and trajectory.turns == ()
+    assert trajectory.error == (
+        "GenerationTimeoutError(engine request: env 'frozenlake', seed 5, episode 7, turn 0, "
+        "generation_timeout_s=0.3: no answer within 0.3 s; raise generation_timeout_s)"
+    )
+    assert took < 3.0, f"the episode waited {took:.1f} s for a 0.3 s limit"
+    assert _engine_idle(vllm_engine), "the timed-out request still runs in the engine"
+
+
+def test_time_paused_does_not_count(vllm_engine: Any, tokenizer: Any) -> None:
+    """Paused before the request is sent, for three times the limit: the request waits
+    and then completes, whole (the limit starts again after the resume)."""
+    prompt = tokenizer("Turn 1: P_O_G")["input_ids"]
+    short = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+    before = vllm_engine.interruptions
+
+    async def main() -> Any:
+        await asyncio.to_thread(vllm_engine.pause, "keep")
+        try:
+            request = answer_within(vllm_engine, vllm_engine.generate(prompt, short), 0.5)
+            task = asyncio.ensure_future(request)
+            done, _ = await asyncio.wait({task}, timeout=1.5)
+            assert not done, "the request answered or timed out while the engine was paused"
+        finally:
+            await asyncio.to_thread(vllm_engine.resume)
+        return await asyncio.wait_for(task, 30)
+
+    assert len(asyncio.run(main()).token_ids) == 40
+    assert vllm_engine.interruptions == before + 2  # the pause and the resume
+
+
+def test_the_pipeline_setting_reaches_every_request(vllm_engine: Any, tokenizer: Any) -> None:
+    """``PipelineConfig.generation_timeout_s`` end to end: with ``raise_env_errors`` the
+    timeout surfaces from ``get_batch``; closing leaves no request and no thread behind."""
+    baseline = threads_now()
+    config = PipelineConfig(
+        batch_size=4,
+        group_size=2,
+        max_length=2040,
+        sampling=ENDLESS,
+        generation_timeout_s=0.3,
+        raise_env_errors=True,
+    )
+    start = time.monotonic()
+    pipe = RolloutPipeline(config, vllm_engine, tokenizer)
+    with pipe, pytest.raises(GenerationTimeoutError, match=r"no answer within 0\.3 s"):
+        pipe.get_batch()
+    assert time.monotonic() - start < 10.0
+    assert _engine_idle(vllm_engine)
+    assert_back_to(baseline)
