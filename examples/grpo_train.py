@@ -7,19 +7,20 @@ training never sees) is measured through the same pipeline before training, ever
 ``--eval-every`` steps and at the end. It prints a progress bar and a per-step table and
 writes a learning curve (``--plot``, needs ``pip install rollpipe[plot]``).
 
-    python examples/grpo_train.py                   # from the warm start, ~10 minutes
+    python examples/grpo_train.py                   # from the warm start, ~11 minutes
     python examples/grpo_train.py --steps 5 --eval-episodes 50
+    rollpipe train                                  # the same, as a command
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 from typing import Any
 
 from rollpipe.policy.evaluate import EVAL_MAX_TURNS
 from rollpipe.policy.grpo_loop import train
+from rollpipe.policy.train_command import add_train_arguments, train_from_args
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the table readable
 
@@ -46,38 +47,6 @@ def main(
     )["history"]
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the options of `rollpipe train`
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=2e-4)
-    parser.add_argument(
-        "--turn-weight", type=float, default=1.0, help="GiGPO turn-level advantage weight"
-    )
-    parser.add_argument(
-        "--mini-batch-size",
-        type=int,
-        help="rows per optimizer step (verl's ppo_mini_batch_size; default: the whole batch)",
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-every", type=int, default=40)
-    parser.add_argument("--eval-episodes", type=int, default=200)
-    parser.add_argument("--model", type=Path, help="HF model directory (default: warm start)")
-    parser.add_argument("--plot", type=Path, default=Path("grpo_curve.png"))
-    parser.add_argument("--out", type=Path, help="write the history and evaluations as JSON")
-    args = parser.parse_args()
-    train(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        group_size=args.group_size,
-        lr=args.lr,
-        turn_weight=args.turn_weight,
-        mini_batch_size=args.mini_batch_size,
-        seed=args.seed,
-        eval_every=args.eval_every,
-        eval_episodes=args.eval_episodes,
-        model_path=args.model,
-        plot=args.plot,
-        out=args.out,
-    )
+    train_from_args(add_train_arguments(parser).parse_args())

@@ -1,4 +1,5 @@
-"""The ``rollpipe`` command: ``rollpipe run`` (the main job) and ``rollpipe inspect``.
+"""The ``rollpipe`` command: ``rollpipe run`` (the main job), ``rollpipe train`` (GRPO
+from the warm start, :mod:`rollpipe.policy.train_command`) and ``rollpipe inspect``.
 
 ``rollpipe run`` with no arguments runs FrozenLake rollouts on the vLLM engine with the
 warm-started policy that ships with rollpipe (it plays: success well above zero) and
@@ -26,6 +27,7 @@ from rich.table import Table
 
 from rollpipe.engines.records import EngineError
 from rollpipe.pipeline import PipelineConfig
+from rollpipe.policy.train_command import add_train_arguments, train_from_args
 
 # flag name -> PipelineConfig field
 CONFIG_FLAGS = {
@@ -84,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, help="the seed every episode derives from")
     run.add_argument("--max-turns", type=int, help="turns per episode")
     run.add_argument("--out", type=Path, help="save each batch and a JSONL of trajectories here")
+
+    train = sub.add_parser("train", help="GRPO from the warm start on CPU, with a learning curve")
+    add_train_arguments(train)
 
     inspect = sub.add_parser("inspect", help="describe a saved batch and decode one row")
     inspect.add_argument("file", type=Path)
@@ -326,6 +331,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console()
     try:
+        if args.command == "train":
+            train_from_args(args, console)
+            return 0
         return run(args, console) if args.command == "run" else inspect(args, console)
     except (ValueError, FileNotFoundError, EngineError) as error:
         console.print(f"[bold red]error:[/bold red] {error}", highlight=False)

@@ -129,3 +129,26 @@ def test_run_defaults_to_the_warm_start_which_plays(tmp_path, capsys):
     assert len(records) == 16
     scores = [r["episode_scores"] for r in records]
     assert sum(s > 0 for s in scores) >= 4, scores
+
+
+def test_train_runs_grpo_and_writes_the_curve(tmp_path, capsys):
+    """`rollpipe train`: steps from the shipped warm start with weights pushed into the
+    engine each step, held-out evaluations, the JSON history and the PNG curve."""
+    out, png = tmp_path / "history.json", tmp_path / "curve.png"
+    argv = ["train", "--steps", "2", "--batch-size", "8", "--group-size", "4"]
+    argv += ["--eval-episodes", "10", "--out", str(out), "--plot", str(png)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert [h["step"] for h in result["history"]] == [0, 1]
+    assert [h["version"] for h in result["history"]] == [1, 2]  # new weights every step
+    assert [e["step"] for e in result["evals"]] == [0, 2]
+    assert all(e["episodes"] == 10 for e in result["evals"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    assert "held-out success" in printed and "learning curve written" in printed
+
+
+@pytest.mark.parametrize("flag,value", [("--steps", "-1"), ("--group-size", "0")])
+def test_train_rejects_bad_counts(flag, value, capsys):
+    assert main(["train", flag, value]) == 2
+    assert f"{flag} must be >= " in capsys.readouterr().out
