@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from rollpipe.envs.base import Info, StepResult
-from rollpipe.envs.registry import EnvRegistryError, _lookup, config_keys, make, register
+from rollpipe.envs.registry import check_config, factory_of, make, register
 
 if TYPE_CHECKING:
     from rollpipe.agent.env_pool import EnvForSpec
@@ -191,14 +191,8 @@ class RayEnv:
         self.start_timeout_s = _timeout("start_timeout_s", start_timeout_s)
         self._options = _actor_options(num_cpus, actor_options)
         if factory is None:
-            keys = config_keys(name)  # an unknown name lists the registered ones (None: **kw)
-            unknown = [] if keys is None else sorted(set(self.config) - set(keys))
-            if unknown:
-                raise EnvRegistryError(
-                    f"unknown config key(s) {unknown} for env {name!r}; valid keys: "
-                    f"{sorted(keys or ())}"
-                )
-            self._build = functools.partial(_build_registered, name, _lookup(name), self.config)
+            check_config(name, self.config)  # unknown names and keys list the valid ones
+            self._build = functools.partial(_build_registered, name, factory_of(name), self.config)
         elif callable(factory):
             self._build = functools.partial(factory, **self.config)
         else:

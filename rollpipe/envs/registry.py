@@ -41,7 +41,7 @@ def available() -> list[str]:
 
 def config_keys(name: str) -> list[str] | None:
     """The keyword config keys env ``name`` accepts (None if it takes ``**kwargs``)."""
-    factory = _lookup(name)
+    factory = factory_of(name)
     params = inspect.signature(factory).parameters.values()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return None
@@ -49,25 +49,30 @@ def config_keys(name: str) -> list[str] | None:
     return [p.name for p in params if p.kind in kinds]
 
 
-def make(name: str, **config: Any) -> TextEnv | AsyncTextEnv:
-    """Build env ``name`` with ``config``; unknown names/keys list the valid ones."""
-    keys = config_keys(name)
-    if keys is not None:
-        unknown = sorted(set(config) - set(keys))
-        if unknown:
-            raise EnvRegistryError(
-                f"unknown config key(s) {unknown} for env {name!r}; valid keys: {sorted(keys)}"
-            )
-    return _REGISTRY[name](**config)
-
-
-def _lookup(name: str) -> EnvFactory:
+def factory_of(name: str) -> EnvFactory:
+    """The factory registered as ``name``; an unknown name lists the registered ones."""
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):
         raise EnvRegistryError(
             f"unknown env {name!r}; available: {available()} (register(name, factory) adds one)"
         ) from None
+
+
+def check_config(name: str, config: dict[str, Any]) -> None:
+    """Raise EnvRegistryError naming every key of ``config`` env ``name`` does not take."""
+    keys = config_keys(name)
+    unknown = [] if keys is None else sorted(set(config) - set(keys))
+    if unknown:
+        raise EnvRegistryError(
+            f"unknown config key(s) {unknown} for env {name!r}; valid keys: {sorted(keys or ())}"
+        )
+
+
+def make(name: str, **config: Any) -> TextEnv | AsyncTextEnv:
+    """Build env ``name`` with ``config``; unknown names/keys list the valid ones."""
+    check_config(name, config)
+    return factory_of(name)(**config)
 
 
 def _register_builtins() -> None:
