@@ -45,9 +45,9 @@ def server(tiny_model_path: Path) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def engine(server: ServerProcess) -> Iterator[ServerEngine]:
-    # A generous connect limit: on 2 busy cores a request sent while the server holds 32
-    # aborted ones once took over the 5 s default to connect, and the module cascaded.
-    e = ServerEngine(server.url, connect_timeout_s=30.0)
+    # The default connect limit (30 s): on 2 busy cores a request sent while the server
+    # holds 32 aborted ones once took over 5 s to connect, and the module cascaded.
+    e = ServerEngine(server.url)
     try:
         yield e
     finally:

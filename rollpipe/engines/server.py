@@ -55,7 +55,7 @@ class ServerEngine(BaseEngine):
         route: Literal["auto", "generate", "completions"] = "auto",
         server_control: bool = True,
         weights_dir: str | os.PathLike[str] | None = None,
-        connect_timeout_s: float = 5.0,
+        connect_timeout_s: float = 30.0,
         version: int = 0,
     ) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):

@@ -56,7 +56,7 @@ class ServerOptions:
     route: str = "auto"
     server_control: bool = True
     weights_dir: Path | None = None
-    connect_timeout_s: float = 5.0
+    connect_timeout_s: float = 30.0
 
 
 @attrs.define
