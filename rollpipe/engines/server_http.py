@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import secrets
 import shutil
 import tempfile
@@ -32,6 +31,7 @@ import torch
 from rollpipe.engines.backend import EngineLink
 from rollpipe.engines.protocol import PauseMode
 from rollpipe.engines.records import EngineError, Generation, SamplingParams
+from rollpipe.engines.server_client import ServerClient
 from rollpipe.engines.server_weights import is_local, write_weights
 from rollpipe.engines.vllm_common import finish_reason
 
@@ -43,8 +43,6 @@ ROUTES = ("auto", "generate", "completions")
 ABORT_GRACE_S = 2.0  # after /pause?mode=abort, how long aborted answers may take to arrive
 CONTROL_TIMEOUT_S = 600.0  # one pause, resume or weight-reload call
 PROBE_TIMEOUT_S = 30.0  # one look-up when the engine starts
-# vLLM drops a connection idle 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); a request sent on one then
-KEEPALIVE_S = 2.0  # fails "Server disconnected" and kills the engine: reuse younger ones only
 _ABORTED = Generation((), (), "abort", ())
 
 
@@ -92,8 +90,8 @@ class ServerBackend:
 
     vocab_size: int | None = None  # the server checks ids ("Token id N is out of vocabulary")
 
-    def __init__(self, session: Any, url: str, link: EngineLink, options: ServerOptions) -> None:
-        self.session, self.url, self.link, self.options = session, url, link, options
+    def __init__(self, client: ServerClient, link: EngineLink, options: ServerOptions) -> None:
+        self.client, self.url, self.link, self.options = client, client.url, link, options
         self.model = ""
         self.max_model_len: int | None = None
         self.vllm_version = "unknown"
@@ -112,51 +110,18 @@ class ServerBackend:
 
     @classmethod
     async def start(cls, url: str, link: EngineLink, options: ServerOptions) -> ServerBackend:
-        import aiohttp
-
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
-        session = aiohttp.ClientSession(connector=connector)
-        backend = cls(session, url, link, options)
+        backend = cls(ServerClient(url, options.connect_timeout_s, link.on_death), link, options)
         try:
             await backend._probe()
         except BaseException:
-            await session.close()
+            await backend.client.close()
             raise
         return backend
 
     # -- HTTP ----------------------------------------------------------------------------
-    async def _http(
-        self, method: str, path: str, timeout: float | None = None, **kwargs: Any
-    ) -> tuple[int, Any]:
-        """(status, JSON body or text); an unreachable or vanished server kills the engine.
-
-        ``timeout``: for the whole call (None: a generation may take as long as it takes).
-        """
-        import aiohttp
-
-        limits = aiohttp.ClientTimeout(total=timeout, sock_connect=self.options.connect_timeout_s)
-        try:
-            async with self.session.request(
-                method, self.url + path, timeout=limits, **kwargs
-            ) as resp:
-                raw = await resp.read()
-                status = resp.status
-        except aiohttp.ClientError as e:  # refused, reset, closed mid-answer
-            error = EngineError(
-                f"vLLM server at {self.url} is unreachable ({method} {path}: {e!r}); "
-                "is it running? Create a new ServerEngine once it is back"
-            )
-            self.link.on_death(error)
-            raise error from e
-        except TimeoutError as e:
-            raise EngineError(f"{method} {self.url}{path} got no answer in {timeout} s") from e
-        with contextlib.suppress(ValueError):
-            return status, json.loads(raw)
-        return status, raw.decode(errors="replace")
-
     async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
         """An HTTP call that must succeed; raises EngineError naming the endpoint."""
-        status, body = await self._http(method, path, **kwargs)
+        status, body = await self.client.request(method, path, **kwargs)
         if status >= 400:
             raise EngineError(
                 f"vLLM server at {self.url}: {method} {path} failed with HTTP {status}: "
@@ -193,18 +158,20 @@ class ServerBackend:
         entry = models[names.index(wanted)] if wanted is not None else models[0]
         self.model = str(entry["id"])
         self.max_model_len = entry.get("max_model_len")
-        status, body = await self._http("GET", "/version", timeout=t)
+        status, body = await self.client.request("GET", "/version", timeout=t)
         if status == 200 and isinstance(body, dict):
             self.vllm_version = str(body.get("version", "unknown"))
         found: set[str] = set()
         if self.options.route != "completions":
-            status, _ = await self._http("POST", GENERATE, json={}, timeout=t)
+            status, _ = await self.client.request("POST", GENERATE, json={}, timeout=t)
             if status not in (403, 404, 405):  # a validation error: the route is there
                 found.add(GENERATE)
         if self.options.server_control:
-            if (await self._http("GET", "/is_paused", timeout=t))[0] == 200:
+            if (await self.client.request("GET", "/is_paused", timeout=t))[0] == 200:
                 found |= {"/pause", "/resume", "/update_weight_version"}
-            if (await self._http("GET", "/collective_rpc", timeout=t))[0] == 405:  # POST only
+            if (await self.client.request("GET", "/collective_rpc", timeout=t))[
+                0
+            ] == 405:  # POST only
                 found |= {"/collective_rpc", "/reset_prefix_cache"}
         self.endpoints = frozenset(found)
         if self.options.route == "generate":
@@ -392,7 +359,7 @@ class ServerBackend:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self._server_resume(), 5)
         finally:
-            await self.session.close()
+            await self.client.close()
 
     def release(self) -> None:
         mine = self.weights_dir if self.own_weights_dir else self.loaded
