@@ -218,13 +218,17 @@ def test_pause_keep_then_update_weights_then_resume(
     engine: ServerEngine, hf_model: Any, tokenizer: Any, restore_weights: None
 ) -> None:
     prompts = [tokenizer(f"Turn {i}: P_O_G")["input_ids"] for i in range(16)]
-    params = SamplingParams(max_tokens=300, temperature=1.0, seed=3, ignore_eos=True)
+    # 1900 tokens: far longer than the probe and the pause take (CI once finished a
+    # request of 300 tokens before the pause landed)
+    n = 1900
+    params = SamplingParams(max_tokens=n, temperature=1.0, seed=3, ignore_eos=True)
     v0 = engine.version
 
     async def main() -> list[Generation]:
         tasks = await start_then_probe(engine, prompts, params)
         await asyncio.to_thread(engine.pause, "keep")
-        assert engine.is_paused and not any(t.done() for t in tasks)
+        assert engine.is_paused
+        assert not any(t.done() for t in tasks), [t for t in tasks if t.done()]
         await asyncio.sleep(0.5)
         assert not any(t.done() for t in tasks), "a request completed while paused"
         perturb(hf_model, seed=2)
@@ -233,10 +237,10 @@ def test_pause_keep_then_update_weights_then_resume(
         return list(await asyncio.wait_for(asyncio.gather(*tasks), 120))
 
     for g in asyncio.run(main()):
-        assert len(g.token_ids) == 300 and g.finish_reason == "length"
+        assert len(g.token_ids) == n and g.finish_reason == "length"
         n_old = g.versions.count(v0)
-        assert g.versions == (v0,) * n_old + (v0 + 1,) * (300 - n_old)
-        assert 0 < n_old < 300  # the request spans the update
+        assert g.versions == (v0,) * n_old + (v0 + 1,) * (n - n_old)
+        assert 0 < n_old < n  # the request spans the update
         assert all(math.isfinite(x) and x <= 0 for x in g.logprobs)
 
 
