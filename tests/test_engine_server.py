@@ -395,8 +395,8 @@ def test_a_server_that_is_down_raises_promptly() -> None:
 def test_server_death_fails_requests_and_close_leaves_nothing(
     server: ServerProcess, prompts: list[list[int]]
 ) -> None:
-    """Runs last: kills the module's server. Its own engine, with the default 5 s connect
-    limit (the module's engine waits longer)."""
+    """Runs last: kills the module's server. Its own engine: the module's stays usable
+    until the fixture closes it."""
     engine = ServerEngine(server.url)
     members = server.members()
     assert len(members) >= 3  # API server, engine core, worker
