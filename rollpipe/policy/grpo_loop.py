@@ -219,7 +219,8 @@ def train(
                     loss_agg_mode=loss_agg_mode,
                     mini_batch_size=mini_batch_size,
                 )
-                scheduler.step()
+                if stats["updates"]:  # warm-up counts the batches that moved the weights
+                    scheduler.step()
                 pipe.suspend()  # no new episodes or requests while the weights change
                 version = pipe.update_weights(policy)
                 record = {
