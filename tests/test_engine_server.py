@@ -114,11 +114,23 @@ def server_get(server: ServerProcess, path: str) -> str:
 
 def running_on_server(server: ServerProcess) -> float:
     """vLLM's own gauge of requests running or waiting on the server."""
-    total = 0.0
-    for line in server_get(server, "/metrics").splitlines():
-        if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    gauges = [
+        float(line.rsplit(" ", 1)[1])
+        for line in server_get(server, "/metrics").splitlines()
+        if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{"))
+    ]
+    assert len(gauges) == 2, "the server reports no request gauges: are its stats off?"
+    return sum(gauges)
+
+
+def finished_early(gens: list[Generation], n: int) -> list[Generation]:
+    """The generations that ran to ``n`` tokens before the pause landed. On 2 busy cores
+    vLLM's API server sometimes admits a burst of requests only as the first ones finish
+    (seen in CI and here), so a few may complete before any pause; each must be whole."""
+    done = [g for g in gens if g.finish_reason == "length"]
+    assert all(len(g.token_ids) == n for g in done)
+    assert len(done) < len(gens) / 2, "most requests finished before the pause"
+    return done
 
 
 async def start_then_probe(
@@ -224,24 +236,28 @@ def test_pause_keep_then_update_weights_then_resume(
     params = SamplingParams(max_tokens=n, temperature=1.0, seed=3, ignore_eos=True)
     v0 = engine.version
 
-    async def main() -> list[Generation]:
+    async def main() -> tuple[list[Generation], int]:
         tasks = await start_then_probe(engine, prompts, params)
         await asyncio.to_thread(engine.pause, "keep")
         assert engine.is_paused
-        assert not any(t.done() for t in tasks), [t for t in tasks if t.done()]
+        done_at_pause = sum(t.done() for t in tasks)  # see finished_early
         await asyncio.sleep(0.5)
-        assert not any(t.done() for t in tasks), "a request completed while paused"
+        assert sum(t.done() for t in tasks) == done_at_pause, "completed while paused"
         perturb(hf_model, seed=2)
         assert await asyncio.to_thread(engine.update_weights, hf_model) == v0 + 1
         await asyncio.to_thread(engine.resume)
-        return list(await asyncio.wait_for(asyncio.gather(*tasks), 120))
+        return list(await asyncio.wait_for(asyncio.gather(*tasks), 120)), done_at_pause
 
-    for g in asyncio.run(main()):
+    gens, done_at_pause = asyncio.run(main())
+    spanning = 0
+    for g in gens:
         assert len(g.token_ids) == n and g.finish_reason == "length"
         n_old = g.versions.count(v0)
         assert g.versions == (v0,) * n_old + (v0 + 1,) * (n - n_old)
-        assert 0 < n_old < n  # the request spans the update
         assert all(math.isfinite(x) and x <= 0 for x in g.logprobs)
+        spanning += 0 < n_old < n  # the request spans the update
+    assert sum(g.versions == (v0,) * n for g in gens) == done_at_pause
+    assert spanning >= len(gens) / 2
 
 
 def test_pause_abort_returns_partial_tokens_and_holds_new_requests(
@@ -265,11 +281,15 @@ def test_pause_abort_returns_partial_tokens_and_holds_new_requests(
         return gens, await asyncio.wait_for(later, 60)
 
     gens, later = asyncio.run(main())
+    early = finished_early(gens, 1900)
+    aborted = [g for g in gens if g.finish_reason != "length"]
+    assert len(aborted) == len(gens) - len(early)
+    assert {g.finish_reason for g in aborted} == {"abort"}
+    assert any(g.token_ids for g in aborted)  # partial tokens come back
     for g in gens:
-        assert g.finish_reason == "abort"
-        assert 0 < len(g.token_ids) < 1900
+        assert len(g.token_ids) <= 1900
         assert len(g.logprobs) == len(g.versions) == len(g.token_ids)
-        assert set(g.versions) == {v}
+        assert set(g.versions) <= {v}
     check_generation(later, 12, v)
     assert json.loads(server_get(server, "/is_paused"))["is_paused"] is False
 
@@ -339,7 +359,10 @@ def test_without_server_control_keep_and_weights_are_not_supported(
             return gens, await asyncio.wait_for(later, 60)
 
         gens, later = asyncio.run(main())
-        assert {g.finish_reason for g in gens} == {"abort"}
+        early = finished_early(gens, 1900)
+        aborted = [g for g in gens if g.finish_reason != "length"]
+        assert len(aborted) == len(gens) - len(early)
+        assert {g.finish_reason for g in aborted} == {"abort"}
         check_generation(later, 12, 0)
     assert json.loads(server_get(server, "/is_paused"))["is_paused"] is False
     deadline = time.monotonic() + 10  # the server aborts a request once its client left

