@@ -14,7 +14,11 @@
 * **1 vs 2 engines** — ``pool_{inproc,multiprocess}_{1,2}_tokens_per_s`` and their
   ``_ratio``: the same pipeline on one engine and on a pool of two. In-process CPU
   engines run their forward passes one at a time (``CPU_FORWARD_LOCK``), so two of them
-  cannot beat one; ``multiprocess=True`` engines compute in their own processes.
+  cannot beat one; ``multiprocess=True`` engines compute in their own processes. Why two
+  of those gain little on a small host: ``pool_multiprocess_{1,2}_{driver,engine}_cores``
+  (CPU time ÷ wall time of this process and of the engine processes) and
+  ``pool_engine_16_vs_32`` (one engine's tokens/s at 16 requests at once ÷ at 32: below
+  1 when a decode step costs nearly the same for half the batch).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import statistics
 import threading
 import time
 from typing import Any
+
+import psutil
 
 from bench.common import ENGINE_KWARGS, BenchContext, Figures, median, rounded
 from rollpipe.engines.pool import EnginePool
@@ -152,20 +158,56 @@ def _shrink_expand(ctx: BenchContext) -> Figures:
     return {f"pool_{k}": rounded(median([r[k] for r in rows])) for k in rows[0]}
 
 
+def _tokens_per_s_and_cores(
+    ctx: BenchContext, engine: Any, batches: int
+) -> tuple[float, float, float]:
+    """Pipeline tokens/s on ``engine``, and the cores this process and its child
+    processes (the engine cores of multiprocess engines) used meanwhile."""
+    me = psutil.Process()
+
+    def cpu() -> tuple[float, float]:
+        kids = sum(sum(c.cpu_times()[:2]) for c in me.children(recursive=True))
+        return sum(me.cpu_times()[:2]), kids
+
+    (own0, kids0), start = cpu(), time.perf_counter()
+    speed = _tokens_per_s(ctx, engine, batches, seed=300)["tokens_per_s"]
+    (own1, kids1), wall = cpu(), time.perf_counter() - start
+    return speed, (own1 - own0) / wall, (kids1 - kids0) / wall
+
+
+def _engine_16_vs_32(engine: Any) -> float:
+    """One engine's tokens/s at 16 requests at once ÷ at 32 (FrozenLake-sized prompts)."""
+    params = SamplingParams(max_tokens=48, temperature=1.0, ignore_eos=True)
+    prompts = [[*range(5, 300), 7 + i] for i in range(32)]
+    engine.generate_batch(prompts[:8], params)  # warm
+    speed = {}
+    for n in (16, 32):
+        start = time.perf_counter()
+        gens = engine.generate_batch(prompts[:n], params)
+        speed[n] = sum(g.num_tokens for g in gens) / (time.perf_counter() - start)
+    return speed[16] / speed[32]
+
+
 def _one_vs_two(ctx: BenchContext, batches: int) -> Figures:
     figures: Figures = {}
     for layout, multiprocess in (("inproc", False), ("multiprocess", True)):
         kwargs = ENGINE_KWARGS | {"kv_cache_space_gib": KV_GIB, "multiprocess": multiprocess}
         one = VLLMEngine(ctx.model_path, **kwargs)
         try:
-            single = _tokens_per_s(ctx, one, batches, seed=300)["tokens_per_s"]
+            single, *cores_1 = _tokens_per_s_and_cores(ctx, one, batches)
+            if multiprocess:
+                figures["pool_engine_16_vs_32"] = rounded(_engine_16_vs_32(one))
         finally:
             one.close()
         pool = EnginePool.vllm(ctx.model_path, 2, **kwargs)
         try:
-            double = _tokens_per_s(ctx, pool, batches, seed=300)["tokens_per_s"]
+            double, *cores_2 = _tokens_per_s_and_cores(ctx, pool, batches)
         finally:
             pool.close()
+        if multiprocess:
+            for n, (driver, engines) in ((1, cores_1), (2, cores_2)):
+                figures[f"pool_multiprocess_{n}_driver_cores"] = rounded(driver)
+                figures[f"pool_multiprocess_{n}_engine_cores"] = rounded(engines)
         figures[f"pool_{layout}_1_tokens_per_s"] = rounded(single)
         figures[f"pool_{layout}_2_tokens_per_s"] = rounded(double)
         figures[f"pool_{layout}_ratio"] = rounded(double / single)
