@@ -1,5 +1,5 @@
 """Developer and CI entry points: `nox -s tests`, `nox -s lint`, `nox -s typecheck`, `nox -s demo`,
-`nox -s compat`.
+`nox -s compat`, `nox -s bench`.
 
 Every session installs what it needs into its own virtualenv, so a fresh machine needs
 nothing but Python and nox.
@@ -108,7 +108,8 @@ def docs(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Run every benchmark, print one table, write bench/results/latest.json.
 
-    `nox -s bench -- --quick` finishes in a few minutes on 2 CPU cores.
+    `nox -s bench -- --quick` finishes in under 10 minutes on 2 CPU cores; `nox -s bench
+    -- --smoke` (what CI runs) runs the smallest case of each once and writes nothing.
     """
     install_project(session, "cpu,bench")
     session.run("python", "-m", "bench.run", *session.posargs)

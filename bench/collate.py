@@ -183,7 +183,7 @@ def same_tensors(a: DataProto, b: DataProto) -> bool:
 def run(ctx: BenchContext, n: int | None = None, max_len: int = 4096) -> Figures:
     """Collate ``n`` random-length trajectories three ways (default 4096; 2048 with
     ``--quick``, same length distribution); see the module doc."""
-    n = n or (2048 if ctx.quick else 4096)
+    n = n or ctx.size(smoke=256, quick=2048, full=4096)
     trajs = synthetic_trajectories(n, max_len=max_len)
     tokens = sum(len(u.prompt_ids) + len(u.response_ids) for t in trajs for u in t.turns)
     t_collate, t_concat, t_memcpy, t_warm = [], [], [], []

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import psutil
@@ -24,6 +24,7 @@ from rollpipe.engines.protocol import Engine
 from rollpipe.engines.records import Generation, SamplingParams
 
 Figures = dict[str, float | int | str | bool]
+T = TypeVar("T")
 
 # VLLMEngine itself turns chunked prefill off on CPU (vLLM's chunked prefill with
 # per-request seeds fails there), so the bench passes only what it needs on top:
@@ -47,6 +48,7 @@ class BenchContext:
     repeats: int | None = None  # None: each benchmark's own default (``repeats_for``)
     log: Callable[[str], None] = attrs.field(default=print)
     results_dir: Path | None = None  # where side reports go (None: nowhere)
+    smoke: bool = False  # the smallest case of each benchmark: does it run at all?
 
     def __attrs_post_init__(self) -> None:
         if self.repeats is not None and self.repeats < 1:
@@ -54,8 +56,16 @@ class BenchContext:
 
     def repeats_for(self, default: int = 3) -> int:
         """Repeats of a benchmark: ``repeats`` when given, else its ``default`` (the
-        ratios judged against a target near 1 take 5: their repeats vary most)."""
+        ratios judged against a target near 1 take 5: their repeats vary most); one in
+        a smoke run."""
+        if self.smoke:
+            return 1
         return default if self.repeats is None else self.repeats
+
+    def size(self, *, smoke: T, quick: T, full: T) -> T:
+        """A workload size by run mode: ``--smoke`` (seconds: proves the benchmark
+        runs), ``--quick`` (minutes) or the full run."""
+        return smoke if self.smoke else quick if self.quick else full
 
     @property
     def engine(self) -> Engine:

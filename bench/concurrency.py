@@ -58,7 +58,8 @@ def one_level(
 
 
 def run(ctx: BenchContext, levels: tuple[int, ...] = LEVELS) -> Figures:
-    turns, k = (2, 16) if ctx.quick else (3, 32)
+    turns, k = ctx.size(smoke=(1, 8), quick=(2, 16), full=(3, 32))
+    levels = ctx.size(smoke=levels[:2], quick=levels, full=levels)
     out: Figures = {"concurrency_turns": turns, "concurrency_k": k}
     for c in levels:
         tps, trps, peaks, growth = [], [], [], []

@@ -109,7 +109,7 @@ def run(
     sizes: tuple[int, int, int] | None = None,
 ) -> Figures:
     """``sizes`` = (episodes, turns, tokens per turn); default by ``ctx.quick``."""
-    n, turns, k = sizes or ((32, 3, 32) if ctx.quick else (64, 4, 64))
+    n, turns, k = sizes or ctx.size(smoke=(8, 2, 8), quick=(32, 3, 32), full=(64, 4, 64))
     if n % 4:
         raise ValueError(f"efficiency: episodes must be a multiple of the group size 4, got {n}")
     out: Figures = {"efficiency_episodes": n, "efficiency_turns": turns, "efficiency_k": k}

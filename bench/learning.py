@@ -95,7 +95,7 @@ def run(ctx: BenchContext) -> Figures:
 
     path = warm_start_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    episodes = 100 if ctx.quick else 200
+    episodes = ctx.size(smoke=16, quick=100, full=200)
     figures: Figures = {}
     with VLLMEngine(path, seed=0) as engine:
         result = evaluate(engine, tokenizer, episodes=episodes)
@@ -106,8 +106,8 @@ def run(ctx: BenchContext) -> Figures:
     figures["warm_start_build_s"] = recorded.get("train_seconds")
     figures.update(_row_figures(path, tokenizer, ctx.repeats_for(3)))
 
-    steps = 10 if ctx.quick else 50
-    seeds = range(1 if ctx.quick else 3)
+    steps = ctx.size(smoke=1, quick=10, full=50)
+    seeds = range(ctx.size(smoke=1, quick=1, full=3))
     runs = []
     for seed in seeds:
         ctx.log(f"  GRPO seed {seed}: {steps} steps")

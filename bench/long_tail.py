@@ -266,7 +266,7 @@ def lockstep_arm(
 
 
 def run(ctx: BenchContext) -> Figures:
-    c = 32 if ctx.quick else 64
+    c = ctx.size(smoke=8, quick=32, full=64)
     n = 4 * c
     engine = LengthBySeed(ctx.engine, scale=0.5 if ctx.quick else 1.0)
     ratios, fast_tps, slow_tps = [], [], []

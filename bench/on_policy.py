@@ -88,7 +88,7 @@ def run(ctx: BenchContext) -> Figures:
     from transformers import AutoModelForCausalLM
 
     weights = AutoModelForCausalLM.from_pretrained(str(ctx.model_path)).state_dict()
-    steps, batch_size = (6, 16) if ctx.quick else (12, 32)
+    steps, batch_size = ctx.size(smoke=(2, 8), quick=(6, 16), full=(12, 32))
     figures: Figures = {"on_policy_steps": steps, "on_policy_batch_size": batch_size}
     for ratio in (0, 1):
         reps = [_loop(ctx, weights, ratio, steps, batch_size) for _ in range(ctx.repeats_for())]

@@ -197,7 +197,7 @@ def _drain(
 
 
 def run(ctx: BenchContext) -> Figures:
-    n = 64 if ctx.quick else 256
+    n = ctx.size(smoke=16, quick=64, full=256)
     per_traj, shares, prompt_share, collate_share, consumer = [], [], [], [], []
     last: pstats.Stats | None = None
     for rep in range(ctx.repeats_for()):

@@ -216,7 +216,7 @@ def _one_vs_two(ctx: BenchContext, batches: int) -> Figures:
 
 
 def run(ctx: BenchContext) -> Figures:
-    batches = 2 if ctx.quick else 4
+    batches = ctx.size(smoke=1, quick=2, full=4)
     figures: Figures = {"pool_batches": batches}
     figures.update(_routing(ctx, batches))
     ctx.log(

@@ -96,7 +96,7 @@ def run(ctx: BenchContext) -> Figures:
     from rollpipe.engines.ray_engine import RayEngine
     from rollpipe.engines.server import ServerEngine, start_vllm_server
 
-    batches = 3 if ctx.quick else 6
+    batches = ctx.size(smoke=1, quick=3, full=6)
     path = str(ctx.model_path)
     figures: Figures = {"remote_batches": batches}
     local = VLLMEngine(path, kv_cache_space_gib=KV_GIB)

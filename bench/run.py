@@ -1,4 +1,7 @@
-"""Run the benchmarks: ``python -m bench.run [--quick] [--only a,b] [--repeats N]``.
+"""Run the benchmarks: ``python -m bench.run [--smoke | --quick] [--only a,b] [--repeats N]``.
+
+``--smoke`` runs the smallest case of every benchmark once and writes nothing: it proves
+that each benchmark still runs (CI runs it), its figures mean nothing.
 
 Prints one table, writes ``bench/results/latest.json`` (one flat object; a run of some
 benchmarks with ``--only`` updates theirs and keeps the rest, ``run_<name>`` naming the
@@ -138,6 +141,15 @@ def table(figures: Figures) -> str:
         f"**Date:** {figures.get('date', '?')} · **Command:** `{figures.get('command', '?')}`"
         f" · **Repeats:** {figures.get('repeats', '?')} (medians)",
         "",
+        *(
+            [
+                "**Smoke run:** each benchmark's smallest case, once; the figures only show "
+                "that it runs.",
+                "",
+            ]
+            if figures.get("mode") == "smoke"
+            else []
+        ),
         "| # | Benchmark | Figure (JSON key) | Target | Result |",
         "|---|---|---|---|---|",
     ]
@@ -183,7 +195,12 @@ def write_results(figures: Figures, out_dir: Path, quick: bool) -> list[Path]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="small workloads (< 5 min)")
+    parser.add_argument("--quick", action="store_true", help="small workloads (< 10 min)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the smallest case of each benchmark, once, writing nothing (CI: does it run?)",
+    )
     parser.add_argument(
         "--only",
         default=",".join(BENCHMARKS),
@@ -205,6 +222,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.repeats is not None and args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     args.only = [b for b in BENCHMARKS if b in chosen]
+    if args.smoke:
+        args.quick, args.no_write, args.repeats = True, True, 1
     return args
 
 
@@ -222,8 +241,9 @@ def main(argv: Sequence[str] | None = None) -> Figures:
     figures: Figures = {
         "machine": machine_info(),
         "date": today(),
-        "command": "python -m bench.run" + (" --quick" if args.quick else ""),
-        "mode": "quick" if args.quick else "full",
+        "command": "python -m bench.run"
+        + (" --smoke" if args.smoke else " --quick" if args.quick else ""),
+        "mode": "smoke" if args.smoke else "quick" if args.quick else "full",
         "repeats": args.repeats or "5 (efficiency, long tail), 3 (others)",
     }
     model_path = default_model_path()
@@ -241,6 +261,7 @@ def main(argv: Sequence[str] | None = None) -> Figures:
         args.repeats,
         log,
         results_dir=None if args.no_write else args.out_dir,
+        smoke=args.smoke,
     )
     try:
         for name in args.only:

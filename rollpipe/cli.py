@@ -245,7 +245,14 @@ def run(args: argparse.Namespace, console: Console) -> int:
         )
         return traj
 
-    totals = {"rows": 0.0, "score": 0.0, "success": 0.0, "turns": 0.0, "tokens": 0.0}
+    totals = {
+        "rows": 0.0,
+        "score": 0.0,
+        "success": 0.0,
+        "turns": 0.0,
+        "tokens": 0.0,
+        "wait": 0.0,  # seconds spent inside get_batch
+    }
     with (
         RolloutPipeline(
             config,
@@ -268,6 +275,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             totals["success"] += metrics["success_rate"] * rows
             totals["turns"] += metrics["turns/mean"] * rows
             totals["tokens"] += metrics["generated_tokens"]
+            totals["wait"] += metrics["time/wall_s"]
             if args.out is not None:
                 batch.meta_info["model_path"] = str(model_path)
                 batch.save(args.out / f"batch_{index:04d}.pt")
@@ -284,8 +292,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
         f"{totals['success'] / n:.2f}",
         f"{totals['turns'] / n:.2f}",
         f"{totals['tokens']:.0f}",
-        f"{totals['tokens'] / wall:.0f}",
-        f"{wall:.2f}",
+        f"{totals['tokens'] / max(totals['wait'], 1e-9):.0f}",
+        f"{totals['wait']:.2f}",
+    )
+    table.caption = (
+        f"total tokens/s = response tokens ÷ time in get_batch ({totals['wait']:.1f} s); "
+        f"the run took {wall:.1f} s with the pipeline's start-up"
     )
     console.print(table)
     if args.out is not None:

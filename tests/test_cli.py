@@ -35,6 +35,17 @@ def test_run_saves_batches_and_inspect_reads_them(tmp_path, tiny_model_path, cap
     printed = capsys.readouterr().out
     assert code == 0
     assert "total" in printed and "tokens/s" in printed
+    rows = {
+        cells[0]: cells
+        for line in printed.splitlines()
+        if len(cells := [c.strip() for c in line.strip("│ ").split("│")]) == 8
+    }
+    # the total's tokens/s is over the time in get_batch, like each batch's (start-up is
+    # in the caption): not the whole run's wall time, which made it 4x lower than theirs
+    tokens, wait = (sum(float(rows[b][i]) for b in ("0", "1")) for i in (5, 7))
+    assert float(rows["total"][5]) == tokens and float(rows["total"][7]) == pytest.approx(wait)
+    assert float(rows["total"][6]) == pytest.approx(tokens / wait, rel=0.05)
+    assert "start-up" in printed
     assert sorted(p.name for p in out.iterdir()) == [
         "batch_0000.pt",
         "batch_0001.pt",

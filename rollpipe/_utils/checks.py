@@ -11,7 +11,15 @@ from typing import Any
 
 import attrs
 
-__all__ = ["check_int", "float_in", "instance_of", "int_at_least", "one_of", "optional"]
+__all__ = [
+    "check_int",
+    "check_timeout",
+    "float_in",
+    "instance_of",
+    "int_at_least",
+    "one_of",
+    "optional",
+]
 
 optional = attrs.validators.optional
 
@@ -21,6 +29,19 @@ def check_int(name: str, value: object, minimum: int = 0) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return value
+
+
+def check_timeout(name: str, value: object) -> float | None:
+    """``value`` if it is None (no limit) or a finite number of seconds > 0, else a
+    ValueError naming it."""
+    if value is None:
+        return None
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (ok and math.isfinite(value) and value > 0):  # type: ignore[operator, arg-type]
+        raise ValueError(
+            f"{name} must be None (no limit) or a number of seconds in (0, inf), got {value!r}"
+        )
+    return float(value)  # type: ignore[arg-type]
 
 
 def int_at_least(low: int) -> Any:

@@ -15,13 +15,23 @@ import torch
 from rollpipe.engines.records import Generation, SamplingParams
 from rollpipe.runtime import Runtime
 
-__all__ = ["PAUSE_MODES", "Engine", "PauseMode", "WeightsLike"]
+__all__ = [
+    "DEFAULT_UPDATE_WEIGHTS_TIMEOUT_S",
+    "PAUSE_MODES",
+    "Engine",
+    "PauseMode",
+    "WeightsLike",
+]
 
 PauseMode = Literal["keep", "abort", "wait"]
 """``keep``: in-flight requests freeze and continue after resume; ``abort``: they end
 with finish_reason "abort"; ``wait``: they finish. New requests wait for resume."""
 
 PAUSE_MODES: tuple[PauseMode, ...] = ("keep", "abort", "wait")
+
+DEFAULT_UPDATE_WEIGHTS_TIMEOUT_S = 600.0
+"""How long a remote engine's (Ray actor, vLLM server) ``update_weights`` may take before
+it counts as stalled: the call fails and the engine is marked dead."""
 
 WeightsLike = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | torch.nn.Module
 """What ``update_weights`` accepts: a state dict, (name, tensor) pairs, or a module."""

@@ -15,10 +15,14 @@ pause keep / abort / wait, resume, weight updates and close mean what they mean 
   waiting on it at once with ``EngineError`` naming the actor, and the engine counts as
   dead (``alive`` is False): an ``EnginePool`` then takes the rank out and re-sends its
   requests.
+* **A stalled weight sync** (the actor never answers ``update_weights``) fails within
+  ``update_weights_timeout_s`` with ``EngineError`` naming the actor and the version; the
+  actor is killed and the engine is dead, so no later call waits on it either.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 from collections.abc import Callable, Mapping
@@ -26,10 +30,11 @@ from typing import Any
 
 import torch
 
+from rollpipe._utils.checks import check_timeout
 from rollpipe.engines.backend import EngineLink
 from rollpipe.engines.base import BaseEngine
 from rollpipe.engines.pool import EnginePool
-from rollpipe.engines.protocol import Engine, PauseMode
+from rollpipe.engines.protocol import DEFAULT_UPDATE_WEIGHTS_TIMEOUT_S, Engine, PauseMode
 from rollpipe.engines.records import EngineError, Generation, SamplingParams
 
 __all__ = ["EngineHost", "RayEngine", "WeightStore", "ray_pool"]
@@ -85,10 +90,13 @@ class RayBackend:
 
     vocab_size = None  # the hosted engine checks prompt ids
 
-    def __init__(self, actor: Any, link: EngineLink, store: WeightStore) -> None:
+    def __init__(
+        self, actor: Any, link: EngineLink, store: WeightStore, update_timeout_s: float | None
+    ) -> None:
         self.actor = actor
         self.link = link
         self.store = store
+        self.update_timeout_s = update_timeout_s
 
     @classmethod
     async def start(
@@ -97,6 +105,7 @@ class RayBackend:
         options: Mapping[str, Any],
         link: EngineLink,
         store: WeightStore,
+        update_timeout_s: float | None,
     ) -> RayBackend:
         import ray
 
@@ -110,7 +119,7 @@ class RayBackend:
         if version != link.version():
             ray.kill(actor)
             raise EngineError(f"RayEngine: the hosted engine starts at version {version}, not 0")
-        return cls(actor, link, store)
+        return cls(actor, link, store, update_timeout_s)
 
     async def _call(self, method: str, *args: Any) -> Any:
         from ray.exceptions import RayActorError, RayTaskError
@@ -136,7 +145,22 @@ class RayBackend:
         await self._call("resume")
 
     async def load_weights(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
-        await self._call("update_weights", self.store.put(named, version), version)
+        update = self._call("update_weights", self.store.put(named, version), version)
+        try:
+            await asyncio.wait_for(update, self.update_timeout_s)
+        except TimeoutError:  # _call turns the actor's own errors into EngineError
+            import ray
+
+            error = EngineError(
+                f"RayEngine ({self.actor}): update_weights to version {version} got no answer "
+                f"within update_weights_timeout_s={self.update_timeout_s} s; the actor was "
+                "killed and this engine is dead (an EnginePool takes its rank out). Check the "
+                "actor's log for what stalled, or raise update_weights_timeout_s for a model "
+                "whose weights take longer to load"
+            )
+            self.link.on_death(error)
+            ray.kill(self.actor, no_restart=True)
+            raise error from None
 
     async def shutdown(self, error: BaseException) -> None:
         with contextlib.suppress(Exception):
@@ -155,6 +179,8 @@ class RayEngine(BaseEngine):
 
     Ray must be initialised (``ray.init(...)``), or Ray starts a local cluster itself.
     ``weights`` shares one object-store copy of each update between engines.
+    ``update_weights_timeout_s`` (None: no limit) bounds one weight sync: past it the
+    actor is killed and the engine is dead (see the module doc).
     """
 
     def __init__(
@@ -165,12 +191,14 @@ class RayEngine(BaseEngine):
         num_gpus: float = 0,
         actor_options: Mapping[str, Any] | None = None,
         weights: WeightStore | None = None,
+        update_weights_timeout_s: float | None = DEFAULT_UPDATE_WEIGHTS_TIMEOUT_S,
     ) -> None:
         options = {"num_cpus": num_cpus, "num_gpus": num_gpus, **(actor_options or {})}
+        timeout = check_timeout("RayEngine: update_weights_timeout_s", update_weights_timeout_s)
         self.weights = weights or WeightStore()
         super().__init__(name="rollpipe-ray-engine")
         self._attach(
-            lambda link: RayBackend.start(make_engine, options, link, self.weights),
+            lambda link: RayBackend.start(make_engine, options, link, self.weights, timeout),
             f"a Ray actor ({options})",
         )
 

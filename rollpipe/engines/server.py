@@ -23,7 +23,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal, Self, cast
 
+from rollpipe._utils.checks import check_timeout
 from rollpipe.engines.base import BaseEngine
+from rollpipe.engines.protocol import DEFAULT_UPDATE_WEIGHTS_TIMEOUT_S
 from rollpipe.engines.records import EngineError
 from rollpipe.engines.server_http import ROUTES, ServerBackend, ServerOptions
 
@@ -45,6 +47,9 @@ class ServerEngine(BaseEngine):
     on this engine's requests only. ``weights_dir``: where ``update_weights`` writes the
     safetensors file the server reloads (default: a temporary directory, for a server on
     this machine; a remote server needs a directory both sides see at the same path).
+    ``update_weights_timeout_s`` (None: no limit) bounds one weight sync: a server that
+    does not finish it in time fails the call with ``EngineError`` naming the server and
+    the version, and the engine is dead (later calls fail at once; build a new engine).
     """
 
     def __init__(
@@ -56,6 +61,7 @@ class ServerEngine(BaseEngine):
         server_control: bool = True,
         weights_dir: str | os.PathLike[str] | None = None,
         connect_timeout_s: float = 30.0,
+        update_weights_timeout_s: float | None = DEFAULT_UPDATE_WEIGHTS_TIMEOUT_S,
         version: int = 0,
     ) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
@@ -73,6 +79,9 @@ class ServerEngine(BaseEngine):
             server_control=server_control,
             weights_dir=None if weights_dir is None else Path(weights_dir),
             connect_timeout_s=connect_timeout_s,
+            update_weights_timeout_s=check_timeout(
+                "ServerEngine: update_weights_timeout_s", update_weights_timeout_s
+            ),
         )
         super().__init__(name="rollpipe-server-engine", version=version)
         self._attach(lambda link: ServerBackend.start(self.url, link, options), self.url)

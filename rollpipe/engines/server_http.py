@@ -55,6 +55,7 @@ class ServerOptions:
     server_control: bool = True
     weights_dir: Path | None = None
     connect_timeout_s: float = 30.0
+    update_weights_timeout_s: float | None = None
 
 
 @attrs.define
@@ -73,6 +74,12 @@ def _span_versions(spans: Any, n: int) -> list[int] | None:
         return [int(s["version"]) for s in spans for _ in range(s["end"] - s["start"])]
     except (KeyError, TypeError, ValueError):  # a label we did not set ("default")
         return None
+
+
+def _consume(task: asyncio.Future[Any]) -> None:
+    """Retrieve a finished task's outcome, so an abandoned one logs no "never retrieved"."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _message(body: Any) -> str:
@@ -326,6 +333,33 @@ class ServerBackend:
             )
         target = self.weights_dir / f"v{version}-{next(self._ids)}"
         write_weights(named, target)  # on the loop: the step in flight is unaffected
+        # The reload runs as its own task so that a server that never answers cannot hold
+        # this call past the limit (the task's cleanup may wait on the server too).
+        sync = asyncio.ensure_future(self._reload(target, version))
+        sync.add_done_callback(_consume)
+        try:
+            done, _ = await asyncio.wait({sync}, timeout=self.options.update_weights_timeout_s)
+        except BaseException:
+            sync.cancel()
+            raise
+        if not done:
+            sync.cancel()
+            error = EngineError(
+                f"ServerEngine at {self.url}: update_weights to version {version} did not "
+                f"finish within update_weights_timeout_s={self.options.update_weights_timeout_s}"
+                " s; this engine is dead (create a new one once the server answers again). "
+                "Check the server's log for what stalled, or raise update_weights_timeout_s "
+                "for a model whose weights take longer to load"
+            )
+            self.link.on_death(error)
+            raise error
+        sync.result()
+        previous, self.loaded = self.loaded, target
+        if previous is not None:
+            shutil.rmtree(previous, ignore_errors=True)
+
+    async def _reload(self, target: Path, version: int) -> None:
+        """Pause (keep), have the worker reload ``target``, relabel, resume."""
         paused_here = not self.server_paused
         try:
             if paused_here:
@@ -346,9 +380,6 @@ class ServerBackend:
         except BaseException:
             shutil.rmtree(target, ignore_errors=True)
             raise
-        previous, self.loaded = self.loaded, target
-        if previous is not None:
-            shutil.rmtree(previous, ignore_errors=True)
 
     async def shutdown(self, error: BaseException) -> None:
         self._answer_held(error)

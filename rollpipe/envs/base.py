@@ -42,8 +42,8 @@ GRID_METRICS_AGG_MODE: dict[str, str] = {
 @runtime_checkable
 class TextEnv(Protocol):
     """A blocking text environment: its calls run on env threads, off the event loop,
-    unless the class declares ``blocking = False`` (then they run inline on the loop:
-    only for envs whose calls take microseconds and never wait)."""
+    unless its own class declares ``blocking = False`` (then they run inline on the loop:
+    only for envs whose calls take microseconds and never wait; see ``is_blocking``)."""
 
     def reset(self, seed: int) -> tuple[str, Info]: ...
 
@@ -64,9 +64,15 @@ class AsyncTextEnv(Protocol):
 
 
 def is_blocking(env: object) -> bool:
-    """Whether ``env``'s calls may block (run them off the event loop): True unless its
-    class declares ``blocking = False`` (fast, pure-Python envs such as the grid puzzles)."""
-    return getattr(env, "blocking", True) is not False
+    """Whether ``env``'s calls may block (run them off the event loop): True unless the
+    env's own class says ``blocking = False`` in its body (fast, pure-Python envs such as
+    the grid puzzles).
+
+    The promise is not inherited: a subclass of ``FrozenLake`` that adds logging or I/O
+    to ``step`` runs on env threads, where ``env_timeout_s`` applies, unless it repeats
+    the declaration itself.
+    """
+    return vars(type(env)).get("blocking", True) is not False
 
 
 def is_async_env(env: object) -> bool:
@@ -136,9 +142,6 @@ class GridTextEnv(abc.ABC):
 
     actions: ClassVar[tuple[str, ...]]
     name: ClassVar[str]
-    blocking: ClassVar[bool] = False
-    """Pure Python and fast (bounded parsing): its calls run inline on the event loop.
-    A subclass whose calls may wait (I/O, a simulator) must set it back to True."""
 
     def __init__(self, config: TextEnvConfig) -> None:
         self.config = config

@@ -136,6 +136,9 @@ class FrozenLake(GridTextEnv):
 
     actions: ClassVar[tuple[str, ...]] = ACTIONS
     name: ClassVar[str] = "frozenlake"
+    blocking: ClassVar[bool] = False
+    """Pure Python, microseconds a call: runs inline on the event loop. Not inherited
+    (``is_blocking``): a subclass runs on env threads unless it declares it again."""
 
     def __init__(
         self,

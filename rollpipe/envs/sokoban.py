@@ -75,6 +75,9 @@ class Sokoban(GridTextEnv):
 
     actions: ClassVar[tuple[str, ...]] = ACTIONS
     name: ClassVar[str] = "sokoban"
+    blocking: ClassVar[bool] = False
+    """Pure Python, microseconds a call: runs inline on the event loop. Not inherited
+    (``is_blocking``): a subclass runs on env threads unless it declares it again."""
 
     def __init__(
         self,
