@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -148,6 +149,7 @@ class _FakeBackend:
         self.link = link
         self.calls: list[tuple[str, object]] = []
         self.stuck = asyncio.Event()  # generate([99]) waits here until shutdown
+        self.entered_stuck = threading.Event()  # generate([99]) has begun waiting
         self.released = False
 
     @classmethod
@@ -160,6 +162,7 @@ class _FakeBackend:
             self.link.on_death(error)
             raise EngineError(f"step failed: {error!r}")
         if prompt == [99]:
+            self.entered_stuck.set()
             await self.stuck.wait()
         version = self.link.version()
         return Generation(prompt, [], "length", [version] * len(prompt))
@@ -193,7 +196,9 @@ def test_base_engine_owns_version_pause_and_death() -> None:
     engine = _FakeEngine()
     backend = engine._backend
     assert isinstance(engine, Engine) and engine.version == 0 and not engine.is_paused
+    assert engine.tokens_generated == 0
     assert engine.generate_batch([np.array([3, 4])], SamplingParams())[0].token_ids == (3, 4)
+    assert engine.tokens_generated == 2  # a backend that does not report: counted on return
     engine.pause("abort")
     assert engine.is_paused and engine.pause_mode == "abort"
     engine.resume()
@@ -209,6 +214,7 @@ def test_base_engine_owns_version_pause_and_death() -> None:
         ("load", (1, 7)),
     ]
     assert asyncio.run(engine.generate([5], SamplingParams())).versions == (7,)
+    assert engine.tokens_generated == 3
     with pytest.raises(EngineError, match="step failed"):
         engine.generate_batch([[98]], SamplingParams())
     with pytest.raises(EngineError, match="died"):  # later calls fail fast
@@ -222,7 +228,7 @@ def test_base_engine_close_fails_waiting_requests_at_once() -> None:
 
     async def main() -> BaseException | Generation:
         stuck = asyncio.ensure_future(engine.generate([99], SamplingParams()))
-        await asyncio.sleep(0.05)
+        assert await asyncio.to_thread(engine._backend.entered_stuck.wait, 30)
         await asyncio.to_thread(engine.close)
         return (await asyncio.gather(stuck, return_exceptions=True))[0]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from waiting import holds_for_async, wait_until_async
 
 from rollpipe.engines import EngineClosedError, EngineError, Generation, HFEngine, SamplingParams
 
@@ -48,6 +50,51 @@ def perturb(model: Any, seed: int) -> None:
 
 
 @pytest.fixture
+def four(tiny_model_path: Path) -> Iterator[HFEngine]:
+    """An engine whose micro-batch is exactly four requests: it starts once four wait (the
+    10 s window is never reached), so a test knows which requests share the batch."""
+    with HFEngine(tiny_model_path, batch_window_s=10, max_batch_size=4) as engine:
+        yield engine
+
+
+class HeldDecode:
+    """Holds an HFEngine's decode thread: it runs one job at a time, in order, so every
+    decode step waits behind this one until ``release()``. A test that submits requests,
+    sees their batch start (``num_batches``) and calls pause / update / close meanwhile
+    knows exactly where the call lands: after the batch's first step."""
+
+    def __init__(self, engine: HFEngine) -> None:
+        self.released = threading.Event()
+        engine._backend.worker.submit(self.released.wait, 120)
+
+    def release(self) -> None:
+        self.released.set()
+
+
+async def started(engine: HFEngine, batches_before: int) -> None:
+    """Wait until the engine's next micro-batch has started (its first step is submitted
+    to the decode thread, holding the model)."""
+    await wait_until_async(
+        lambda: engine.num_batches > batches_before, 60, "the micro-batch to start"
+    )
+
+
+async def held_call(engine: HFEngine, hold: HeldDecode, fn: Any, *args: Any) -> Any:
+    """Call the blocking ``fn(*args)`` (pause, update_weights, close) while the decode
+    thread is held; release it once the call has begun on the engine (it then waits for
+    the step in flight), and return the call's result."""
+    marks = (engine.interruptions, engine.closed)
+    call = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    await wait_until_async(
+        lambda: (engine.interruptions, engine.closed) != marks or call.done(),
+        60,
+        f"{getattr(fn, '__name__', fn)} to begin",
+    )
+    hold.release()
+    return await asyncio.wait_for(call, 120)
+
+
+@pytest.fixture
 def restore_weights(hf_engine: HFEngine, hf_model: Any) -> Iterator[None]:
     original = {k: v.clone() for k, v in hf_model.state_dict().items()}
     yield
@@ -59,7 +106,9 @@ def test_greedy_batch_equals_unbatched_transformers(
     hf_engine: HFEngine, hf_model: Any, prompts: list[list[int]]
 ) -> None:
     params = GREEDY.replace(ignore_eos=True)
+    before = hf_engine.tokens_generated
     gens = hf_engine.generate_batch(prompts, params)
+    assert hf_engine.tokens_generated - before == 12 * len(prompts)  # counted as produced
     assert [list(g.token_ids) for g in gens] == [hf_greedy(hf_model, p, 12) for p in prompts]
     for g in gens:
         assert g.finish_reason == "length" and len(g.token_ids) == 12
@@ -117,53 +166,62 @@ def test_concurrent_requests_share_one_generate_call(
 
 
 def test_pause_keep_parks_the_running_batch(
-    hf_engine: HFEngine, hf_model: Any, prompts: list[list[int]], restore_weights: None
+    four: HFEngine, hf_model: Any, prompts: list[list[int]], restore_weights: None
 ) -> None:
     params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
-    v0 = hf_engine.version
+    v0 = four.version
+    start = four.tokens_generated
 
     async def main() -> list[Generation]:
-        tasks = [asyncio.ensure_future(hf_engine.generate(p, params)) for p in prompts]
-        await asyncio.sleep(0.3)
-        await asyncio.to_thread(hf_engine.pause, "keep")
-        await asyncio.sleep(0.3)
+        hold = HeldDecode(four)
+        tasks = [asyncio.ensure_future(four.generate(p, params)) for p in prompts]
+        await started(four, 0)
+        await held_call(four, hold, four.pause, "keep")  # lands after the first step
+        assert four.tokens_generated == start + len(prompts)  # one token per row, no more
         assert not any(t.done() for t in tasks), "completed while paused"
         perturb(hf_model, seed=5)
-        await asyncio.to_thread(hf_engine.update_weights, hf_model)
-        late = asyncio.ensure_future(hf_engine.generate(prompts[0], GREEDY))
-        await asyncio.sleep(0.2)
-        assert not late.done()
-        await asyncio.to_thread(hf_engine.resume)
-        return list(await asyncio.wait_for(asyncio.gather(*tasks, late), 120))
+        await asyncio.to_thread(four.update_weights, hf_model)
+        late = [asyncio.ensure_future(four.generate(p, GREEDY)) for p in prompts]
+        await holds_for_async(
+            lambda: (
+                four.tokens_generated == start + len(prompts)
+                and not any(t.done() for t in late + tasks)
+            ),
+            0.2,
+            "a paused engine generates nothing",
+        )
+        await asyncio.to_thread(four.resume)
+        return list(await asyncio.wait_for(asyncio.gather(*tasks, *late), 120))
 
-    *gens, late = asyncio.run(main())
-    for g in gens:
+    gens = asyncio.run(main())
+    for g in gens[: len(prompts)]:
         assert len(g.token_ids) == 300 and g.finish_reason == "length"
         n_old = g.versions.count(v0)
         assert 0 < n_old < 300
         assert g.versions == (v0,) * n_old + (v0 + 1,) * (300 - n_old)
-    assert set(late.versions) == {v0 + 1}
+    assert all(set(late.versions) == {v0 + 1} for late in gens[len(prompts) :])
 
 
 def test_update_weights_waits_for_the_step_in_flight_only(
     hf_engine: HFEngine, hf_model: Any, prompts: list[list[int]], restore_weights: None
 ) -> None:
     """Unpaused, an update lands between two decode steps of a running request."""
-    params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
     v0 = hf_engine.version
 
-    async def main() -> tuple[bool, Generation]:
+    async def main() -> Generation:
+        hold = HeldDecode(hf_engine)
+        batches = hf_engine.num_batches
         task = asyncio.ensure_future(hf_engine.generate(prompts[0], params))
-        await asyncio.sleep(0.2)
+        await started(hf_engine, batches)
         perturb(hf_model, seed=7)
-        await asyncio.to_thread(hf_engine.update_weights, hf_model)
-        running = not task.done()
-        return running, await asyncio.wait_for(task, 120)
+        await held_call(hf_engine, hold, hf_engine.update_weights, hf_model)
+        return await asyncio.wait_for(task, 120)
 
-    running, g = asyncio.run(main())
-    assert running, "the update waited for the whole request"
+    g = asyncio.run(main())
     n_old = g.versions.count(v0)
-    assert 0 < n_old < 1000 and g.versions == (v0,) * n_old + (v0 + 1,) * (1000 - n_old)
+    assert n_old < 300, "the update waited for the whole request"
+    assert n_old > 0 and g.versions == (v0,) * n_old + (v0 + 1,) * (300 - n_old)
 
 
 def test_a_full_batch_starts_without_waiting_for_the_window(
@@ -192,49 +250,57 @@ def test_update_weights_matches_transformers(
     assert hf_engine.version == v0 + 1
 
 
-def test_pause_abort_ends_running_and_queued(hf_engine: HFEngine, prompts: list[list[int]]) -> None:
-    params = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
+def test_pause_abort_ends_running_and_queued(four: HFEngine, prompts: list[list[int]]) -> None:
+    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
 
     async def main() -> tuple[list[Generation], list[Generation]]:
-        running = [asyncio.ensure_future(hf_engine.generate(p, params)) for p in prompts[:2]]
-        await asyncio.sleep(0.3)
-        queued = [asyncio.ensure_future(hf_engine.generate(p, GREEDY)) for p in prompts]
-        await asyncio.sleep(0.05)
-        await asyncio.to_thread(hf_engine.pause, "abort")
+        hold = HeldDecode(four)
+        running = [asyncio.ensure_future(four.generate(p, params)) for p in prompts]
+        await started(four, 0)
+        queued = [asyncio.ensure_future(four.generate(p, GREEDY)) for p in prompts]
+        await wait_until_async(
+            lambda: len(four._backend.queue) == len(prompts), 60, "requests queued"
+        )
+        await held_call(four, hold, four.pause, "abort")
         return (
             list(await asyncio.wait_for(asyncio.gather(*running), 30)),
             list(await asyncio.wait_for(asyncio.gather(*queued), 30)),
         )
 
     running, queued = asyncio.run(main())
-    assert all(g.finish_reason == "abort" and 0 < len(g.token_ids) < 2000 for g in running)
+    assert all(g.finish_reason == "abort" and 0 < len(g.token_ids) < 300 for g in running)
     assert all(len(g.logprobs) == len(g.versions) == len(g.token_ids) for g in running)
     assert all(g.finish_reason == "abort" and g.token_ids == () for g in queued)
-    hf_engine.resume()
-    assert hf_engine.generate_batch(prompts[:1], GREEDY)[0].finish_reason in ("stop", "length")
+    four.resume()
+    gens = four.generate_batch(prompts, GREEDY)
+    assert all(g.finish_reason in ("stop", "length") for g in gens)
 
 
-def test_pause_wait_lets_the_batch_finish(hf_engine: HFEngine, prompts: list[list[int]]) -> None:
-    async def main() -> None:
-        tasks = [asyncio.ensure_future(hf_engine.generate(p, GREEDY)) for p in prompts]
-        await asyncio.sleep(0.05)
-        await asyncio.to_thread(hf_engine.pause, "wait")
-        await asyncio.sleep(0.05)
-        assert all(t.done() and t.result().finish_reason != "abort" for t in tasks)
-        await asyncio.to_thread(hf_engine.resume)
+def test_pause_wait_lets_the_batch_finish(four: HFEngine, prompts: list[list[int]]) -> None:
+    async def main() -> list[Generation]:
+        hold = HeldDecode(four)
+        tasks = [asyncio.ensure_future(four.generate(p, GREEDY)) for p in prompts]
+        await started(four, 0)
+        await held_call(four, hold, four.pause, "wait")  # the batch was running
+        assert four.is_paused
+        # still paused: they can only finish because the pause waited for them
+        gens = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        await asyncio.to_thread(four.resume)
+        return list(gens)
 
-    asyncio.run(main())
+    assert all(g.finish_reason != "abort" and g.token_ids for g in asyncio.run(main()))
 
 
 def test_closed_engine_raises(tiny_model_path: Path, prompts: list[list[int]]) -> None:
     engine = HFEngine(tiny_model_path)
-    params = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
 
     async def main() -> list[Any]:
+        hold = HeldDecode(engine)
         tasks = [asyncio.ensure_future(engine.generate(p, params)) for p in prompts]
-        await asyncio.sleep(0.2)
+        await started(engine, 0)  # a step is in flight
         t0 = time.perf_counter()
-        await asyncio.to_thread(engine.close)
+        await held_call(engine, hold, engine.close)
         out = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
         assert time.perf_counter() - t0 < 10
         return list(out)

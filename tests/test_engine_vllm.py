@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from waiting import holds_for_async, wait_until, wait_until_async
 
 from rollpipe.engines import EngineClosedError, EngineError, Generation, SamplingParams
 from rollpipe.engines.vllm import VLLMEngine
@@ -82,7 +83,9 @@ def check_generation(g: Generation, max_tokens: int, version: int) -> None:
 def test_greedy_generation_tokens_logprobs_max_tokens(
     vllm_engine: VLLMEngine, prompts: list[list[int]]
 ) -> None:
+    before = vllm_engine.tokens_generated
     gens = vllm_engine.generate_batch(prompts, GREEDY)
+    assert vllm_engine.tokens_generated - before == sum(len(g.token_ids) for g in gens)
     for g in gens:
         check_generation(g, 12, vllm_engine.version)
     full = vllm_engine.generate_batch(prompts, GREEDY.replace(ignore_eos=True, max_tokens=7))
@@ -168,8 +171,10 @@ async def _start_with_probe(
 def test_pause_keep_freezes_then_resumes_with_new_version(
     vllm_engine: VLLMEngine, hf_model: Any, tokenizer: Any, restore_weights: None
 ) -> None:
-    prompts = [tokenizer(f"Turn {i}: P_O_G")["input_ids"] for i in range(32)]
-    params = SamplingParams(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True)
+    prompts = [tokenizer(f"Turn {i}: P_O_G")["input_ids"] for i in range(8)]
+    # near max_model_len (2048): far more steps than the pause takes to land on any CPU
+    n = 1900
+    params = SamplingParams(max_tokens=n, temperature=1.0, seed=3, ignore_eos=True)
     v0 = vllm_engine.version
 
     async def main() -> list[Generation]:
@@ -177,45 +182,54 @@ def test_pause_keep_freezes_then_resumes_with_new_version(
         await asyncio.to_thread(vllm_engine.pause, "keep")
         assert vllm_engine.is_paused
         assert not any(t.done() for t in tasks)
-        await asyncio.sleep(0.5)
-        assert not any(t.done() for t in tasks), "a request completed while paused"
+        paused_at = vllm_engine.tokens_generated
+
+        def frozen() -> bool:
+            return vllm_engine.tokens_generated == paused_at and not any(t.done() for t in tasks)
+
+        await holds_for_async(frozen, 0.3, "a paused engine generates nothing")
         perturb(hf_model, seed=2)
         await asyncio.to_thread(vllm_engine.update_weights, hf_model)
-        await asyncio.sleep(0.2)
-        assert not any(t.done() for t in tasks)
+        assert frozen(), "the weight update generated while paused"
         await asyncio.to_thread(vllm_engine.resume)
         return list(await asyncio.wait_for(asyncio.gather(*tasks), 120))
 
     gens = asyncio.run(main())
     assert not vllm_engine.is_paused
     for g in gens:
-        assert len(g.token_ids) == 40 and g.finish_reason == "length"
+        assert len(g.token_ids) == n and g.finish_reason == "length"
         n_old = g.versions.count(v0)
-        assert g.versions == (v0,) * n_old + (v0 + 1,) * (40 - n_old)
-        assert 0 < n_old < 40  # the request spans the update
+        assert g.versions == (v0,) * n_old + (v0 + 1,) * (n - n_old)
+        assert 0 < n_old < n  # the request spans the update
         assert all(math.isfinite(x) and x <= 0 for x in g.logprobs)
 
 
 def test_pause_abort_keeps_partial_tokens(
     vllm_engine: VLLMEngine, prompts: list[list[int]]
 ) -> None:
-    params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=1900, temperature=0.0, ignore_eos=True)
     v = vllm_engine.version
+    backend: Any = vllm_engine._backend
 
     async def main() -> tuple[list[Generation], Generation]:
         tasks = await _start_with_probe(vllm_engine, prompts * 4, params)
         await asyncio.to_thread(vllm_engine.pause, "abort")
         gens = list(await asyncio.wait_for(asyncio.gather(*tasks), 30))
+        paused_at = vllm_engine.tokens_generated
         later = asyncio.ensure_future(vllm_engine.generate(prompts[0], GREEDY))
-        await asyncio.sleep(0.3)
-        assert not later.done(), "a request ran while paused"
+        await wait_until_async(lambda: backend.queued, 30, "the request to wait for resume")
+        await holds_for_async(
+            lambda: not later.done() and vllm_engine.tokens_generated == paused_at,
+            0.2,
+            "a request submitted while paused does not run",
+        )
         await asyncio.to_thread(vllm_engine.resume)
         return gens, await asyncio.wait_for(later, 60)
 
     gens, later = asyncio.run(main())
     for g in gens:
         assert g.finish_reason == "abort"
-        assert 0 < len(g.token_ids) < 1000
+        assert 0 < len(g.token_ids) < 1900
         assert len(g.logprobs) == len(g.versions) == len(g.token_ids)
         assert set(g.versions) == {v}
     check_generation(later, 12, v)
@@ -224,28 +238,34 @@ def test_pause_abort_keeps_partial_tokens(
 def test_pause_wait_drains_in_flight_requests(
     vllm_engine: VLLMEngine, prompts: list[list[int]]
 ) -> None:
+    params = GREEDY.replace(max_tokens=300, ignore_eos=True)
+
     async def main() -> list[Generation]:
-        tasks = [asyncio.ensure_future(vllm_engine.generate(p, GREEDY)) for p in prompts]
-        await asyncio.sleep(0.05)
+        tasks = await _start_with_probe(vllm_engine, prompts, params)  # all in flight
         await asyncio.to_thread(vllm_engine.pause, "wait")
-        await asyncio.sleep(0.05)  # let the completed futures' callbacks run here
-        assert all(t.done() for t in tasks)
+        assert vllm_engine.is_paused
+        # still paused: they can only finish because the pause waited for them
+        gens = await asyncio.wait_for(asyncio.gather(*tasks), 30)
         await asyncio.to_thread(vllm_engine.resume)
-        return [t.result() for t in tasks]
+        return list(gens)
 
     for g in asyncio.run(main()):
-        check_generation(g, 12, vllm_engine.version)
+        check_generation(g, 300, vllm_engine.version)
 
 
 def test_cancelled_request_is_aborted_others_continue(
     vllm_engine: VLLMEngine, prompts: list[list[int]]
 ) -> None:
-    long = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=1900, temperature=0.0, ignore_eos=True)
+    backend: Any = vllm_engine._backend
 
     async def main() -> list[Generation]:
+        start = vllm_engine.tokens_generated
         doomed = asyncio.ensure_future(vllm_engine.generate(prompts[0], long))
         others = [asyncio.ensure_future(vllm_engine.generate(p, GREEDY)) for p in prompts]
-        await asyncio.sleep(0.1)
+        await wait_until_async(  # doomed was added first: it is generating
+            lambda: vllm_engine.tokens_generated > start and backend.active, 30, "tokens"
+        )
         doomed.cancel()
         with pytest.raises(asyncio.CancelledError):
             await doomed
@@ -253,10 +273,8 @@ def test_cancelled_request_is_aborted_others_continue(
 
     for g in asyncio.run(main()):
         check_generation(g, 12, vllm_engine.version)
-    deadline = time.monotonic() + 10  # cancellation reaches the engine loop asynchronously
-    while vllm_engine._backend.active and time.monotonic() < deadline:  # type: ignore[attr-defined]
-        time.sleep(0.01)
-    assert not vllm_engine._backend.active  # type: ignore[attr-defined]
+    # cancellation reaches the engine loop asynchronously
+    wait_until(lambda: not backend.active, 10, "the cancelled request to leave the engine")
 
 
 def test_bad_requests_fail_clearly(vllm_engine: VLLMEngine) -> None:
@@ -276,11 +294,11 @@ def test_close_fails_waiting_and_later_requests(tiny_model_path: Path) -> None:
     torch.manual_seed(123)
     engine = VLLMEngine(tiny_model_path, kv_cache_space_gib=0.25, max_model_len=512)
     assert torch.equal(torch.rand(3), expected), "starting vLLM reseeded the global RNG"
-    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)  # of 512
 
     async def main() -> list[Any]:
         tasks = [asyncio.ensure_future(engine.generate([1, 2, 3], params)) for _ in range(4)]
-        await asyncio.sleep(0.2)
+        await wait_until_async(lambda: engine.tokens_generated >= 4, 60, "requests running")
         t0 = time.perf_counter()
         await asyncio.to_thread(engine.close)
         out = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
@@ -320,14 +338,18 @@ def test_multiprocess_mode(tiny_model_path: Path, hf_model: Any, prompts: list[l
         assert all(g.versions == (1,) * 16 for g in gens)
 
         async def abort_and_kill() -> list[Any]:
-            long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+            room = 512 - max(len(p) for p in prompts)  # max_model_len: far more than it takes
+            long = SamplingParams(max_tokens=room, temperature=0.0, ignore_eos=True)
             tasks = await _start_with_probe(engine, prompts, long)
             await asyncio.to_thread(engine.pause, "abort")
             aborted = await asyncio.wait_for(asyncio.gather(*tasks), 30)
             assert all(g.finish_reason == "abort" and g.token_ids for g in aborted)
             await asyncio.to_thread(engine.resume)
+            start = engine.tokens_generated
             tasks = [asyncio.ensure_future(engine.generate(p, long)) for p in prompts]
-            await asyncio.sleep(0.3)
+            await wait_until_async(
+                lambda: engine.tokens_generated >= start + len(prompts), 60, "requests running"
+            )
             for child in children:
                 os.kill(child.pid, signal.SIGKILL)
             return list(await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60))
@@ -338,10 +360,7 @@ def test_multiprocess_mode(tiny_model_path: Path, hf_model: Any, prompts: list[l
             engine.generate_batch(prompts[:1], params)
     finally:
         engine.close()
-    deadline = time.monotonic() + 10
-    while multiprocessing.active_children() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not multiprocessing.active_children()
+    wait_until(lambda: not multiprocessing.active_children(), 10, "the engine core to end")
 
 
 def test_closing_a_second_inprocess_engine_keeps_the_first_alive(

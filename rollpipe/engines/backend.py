@@ -2,8 +2,9 @@
 
 ``BaseEngine`` owns everything an engine is (its runtime, the policy version, the pause
 mode, whether it died or was closed) and drives a ``Backend`` that only generates. A
-backend never sees the engine: it gets an ``EngineLink``, three callbacks to read the
-version and the pause mode the engine owns and to report that it died. Every backend
+backend never sees the engine: it gets an ``EngineLink``, callbacks to read the version
+and the pause mode the engine owns, to report tokens as they are produced and to report
+that it died. Every backend
 coroutine runs on the engine's runtime (one event loop), so a backend needs no locks
 against its engine; ``BaseEngine`` also runs at most one of ``pause`` / ``resume`` /
 ``load_weights`` at a time.
@@ -31,11 +32,16 @@ class EngineLink:
     ``pause_mode()``: the mode the engine is paused in, None while it runs; the engine
     sets it before calling ``Backend.pause`` and clears it before ``Backend.resume``.
     ``on_death(error)``: the backend can no longer generate; later calls fail fast.
+    ``produced(n)``: the backend produced ``n`` more tokens (any requests), called on the
+    loop as they appear. Only a backend whose class sets ``reports_tokens = True`` calls
+    it; for any other backend the engine counts each returned generation's tokens instead
+    (see ``BaseEngine.tokens_generated``).
     """
 
     version: Callable[[], int]
     pause_mode: Callable[[], PauseMode | None]
     on_death: Callable[[BaseException], None]
+    produced: Callable[[int], None] = lambda n: None
 
 
 class Backend(Protocol):

@@ -45,11 +45,13 @@ class BaseEngine:
         self._interruptions = 0  # pauses, resumes and weight updates so far
         self._closed = False
         self._dead: BaseException | None = None
+        self._tokens_generated = 0
         self._control = asyncio.Lock()  # one pause / resume / weight update at a time
         self._link = EngineLink(
             version=lambda: self._version,
             pause_mode=lambda: self._pause_mode,
             on_death=self._on_death,
+            produced=self._produced,
         )
         self._runtime = Runtime(name, loop_init)
         self._scope = self._runtime.scope(name)
@@ -64,6 +66,7 @@ class BaseEngine:
             self._closed = True
             self._runtime.close()
             raise EngineError(f"{type(self).__name__} failed to start on {what}: {e!r}") from e
+        self._backend_reports_tokens = bool(getattr(self._backend, "reports_tokens", False))
 
     # -- state ---------------------------------------------------------------------------
     @property
@@ -78,6 +81,24 @@ class BaseEngine:
     def interruptions(self) -> int:
         """Pauses and weight updates so far (see ``Engine.interruptions``)."""
         return self._interruptions
+
+    @property
+    def tokens_generated(self) -> int:
+        """Tokens this engine has generated so far, over all requests (throughput, or a
+        test's "requests are running"). Read-only, from any thread.
+
+        The in-process backends (transformers, vLLM) count tokens as they are produced, so
+        the count grows while a request runs, aborted requests included; for a remote
+        engine (Ray actor, vLLM server) it grows by each generation's tokens when that
+        generation returns.
+
+        After ``gens = engine.generate_batch(prompts, params)`` on an otherwise idle
+        engine, the count has grown by ``sum(len(g.token_ids) for g in gens)``.
+        """
+        return self._tokens_generated
+
+    def _produced(self, n: int) -> None:
+        self._tokens_generated += n  # on the engine's loop only: no lock needed
 
     @property
     def pause_mode(self) -> PauseMode | None:
@@ -136,7 +157,7 @@ class BaseEngine:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         prompt = check_prompt(prompt_ids, self._backend.vocab_size)
         self._check_open()
-        return await self._scope.run(self._backend.generate(prompt, params))
+        return await self._scope.run(self._generate(prompt, params))
 
     def generate_batch(
         self, prompts: Sequence[PromptIds], params: SamplingParams
@@ -148,7 +169,7 @@ class BaseEngine:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         checked = [check_prompt(p, self._backend.vocab_size) for p in prompts]
         self._check_open()
-        futures = [self._scope.submit(self._backend.generate(p, params)) for p in checked]
+        futures = [self._scope.submit(self._generate(p, params)) for p in checked]
         return [f.result() for f in futures]
 
     def pause(self, mode: PauseMode = "keep") -> None:
@@ -203,6 +224,12 @@ class BaseEngine:
         self.close()
 
     # -- on the loop ---------------------------------------------------------------------
+    async def _generate(self, prompt: list[int], params: SamplingParams) -> Generation:
+        gen = await self._backend.generate(prompt, params)
+        if not self._backend_reports_tokens:  # counted as produced otherwise
+            self._produced(len(gen.token_ids))
+        return gen
+
     async def _pause(self, mode: PauseMode) -> None:
         async with self._control:
             previous, self._pause_mode = self._pause_mode, mode

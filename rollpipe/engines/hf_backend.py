@@ -29,7 +29,10 @@ class HFBackend:
     """A transformers causal LM behind the backend contract.
 
     ``queue`` holds requests not yet in a batch; ``num_batches`` counts micro-batches.
+    Each decode step reports its tokens through ``EngineLink.produced``.
     """
+
+    reports_tokens = True
 
     def __init__(
         self,
@@ -143,6 +146,7 @@ class HFBackend:
                         continue  # changed while a weight load held the model
                     version = self.link.version()
                     finished = await loop.run_in_executor(self.worker, batch.step, live, version)
+                self.link.produced(len(live))  # one token per row
                 for row in finished:
                     row.finish(row.reason or "length")
         except Exception as e:

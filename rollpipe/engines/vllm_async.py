@@ -83,6 +83,7 @@ class AsyncBackend(VLLMBackendBase):
                 comp = out.outputs[0]
                 ids = list(comp.token_ids)
                 tokens.extend(ids)
+                self.link.produced(len(ids))
                 versions.extend([self.link.version()] * len(ids))
                 if params.logprobs and ids:
                     logprobs.extend(sampled_logprobs(ids, comp.logprobs))

@@ -55,7 +55,12 @@ def finish_reason(reason: Any) -> str:
 
 
 class VLLMBackendBase:
-    """A vLLM engine (``LLMEngine`` or ``AsyncLLM``) and the link to the engine it serves."""
+    """A vLLM engine (``LLMEngine`` or ``AsyncLLM``) and the link to the engine it serves.
+
+    Both backends report tokens through ``EngineLink.produced`` as vLLM streams them.
+    """
+
+    reports_tokens = True
 
     def __init__(self, llm: Any, link: EngineLink) -> None:
         self.llm = llm

@@ -204,6 +204,7 @@ class InprocBackend(VLLMBackendBase):
                 with self.forward_lock:
                     outputs = self.llm.step()
                 version = self.link.version()
+                self.link.produced(sum(len(out.outputs[0].token_ids) for out in outputs))
                 for out in outputs:
                     req = self.active.get(out.request_id)
                     if req is not None:
