@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import reprlib
 from typing import Any
 
 import pytest
@@ -27,19 +28,31 @@ from rollpipe.pipeline import PipelineConfig, RolloutPipeline
 
 SAMPLING = SamplingParams(max_tokens=12, temperature=1.0)
 
-# mode -> (which call, how the return is corrupted, what the error names)
+# mode -> (which call, how the return is corrupted, what the error says: field and value)
 MODES: dict[str, tuple[str, Any, str]] = {
-    "observation_not_str": ("step", lambda r: (7, *r[1:]), "observation that is not a str"),
-    "info_none": ("step", lambda r: (*r[:4], None), "info that is not a dict"),
-    "four_tuple": ("step", lambda r: r[:4], "other than a 5-tuple"),
-    "reward_none": ("step", lambda r: (r[0], None, *r[2:]), "reward that is not a real number"),
-    "reward_str": ("step", lambda r: (r[0], "1.5", *r[2:]), "reward that is not a real number"),
-    "reward_nan": ("step", lambda r: (r[0], math.nan, *r[2:]), "not finite in float32"),
-    "reward_inf": ("step", lambda r: (r[0], -math.inf, *r[2:]), "not finite in float32"),
-    "reward_1e308": ("step", lambda r: (r[0], 1e308, *r[2:]), "not finite in float32"),
-    "terminated_str": ("step", lambda r: (*r[:2], "yes", *r[3:]), "terminated that is not a bool"),
-    "reset_info_list": ("reset", lambda r: (r[0], []), "info that is not a dict"),
-    "reset_one_value": ("reset", lambda r: r[0], "other than a 2-tuple"),
+    "observation_not_str": ("step", lambda r: (7, *r[1:]), "observation must be a str, got int 7"),
+    "info_none": ("step", lambda r: (*r[:4], None), "info must be a dict, got NoneType None"),
+    "four_tuple": ("step", lambda r: r[:4], "the return must be a 5-tuple, got tuple of 4 ("),
+    "reward_none": (
+        "step",
+        lambda r: (r[0], None, *r[2:]),
+        "reward must be a real number, got NoneType None",
+    ),
+    "reward_str": (
+        "step",
+        lambda r: (r[0], "1.5", *r[2:]),
+        "reward must be a real number, got str '1.5'",
+    ),
+    "reward_nan": ("step", lambda r: (r[0], math.nan, *r[2:]), "reward is nan;"),
+    "reward_inf": ("step", lambda r: (r[0], -math.inf, *r[2:]), "reward is -inf;"),
+    "reward_1e308": ("step", lambda r: (r[0], 1e308, *r[2:]), "reward is 1e+308, beyond float32"),
+    "terminated_str": (
+        "step",
+        lambda r: (*r[:2], "yes", *r[3:]),
+        "terminated must be a bool, got str 'yes'",
+    ),
+    "reset_info_list": ("reset", lambda r: (r[0], []), "info must be a dict, got list []"),
+    "reset_one_value": ("reset", lambda r: r[0], "the return must be a 2-tuple, got str '"),
 }
 
 
@@ -75,10 +88,14 @@ def test_a_malformed_return_fails_the_episode_naming_env_and_field(
     t = asyncio.run(
         run_episode(spec, env, vllm_engine, chat, sampling=SAMPLING, max_turns=3, max_length=512)
     )
+    call, _, says = MODES[mode]
     assert t.end_reason == "error"
-    assert "CorruptLake" in t.error and MODES[mode][2] in t.error
+    assert t.error_type == "EnvReturnError" and t.error_call == f"CorruptLake.{call}"
+    # what: the class, the call, the field and the value; where: env name, call and seed
+    assert t.error.startswith("EnvReturnError(") and f"CorruptLake.{call}: {says}" in t.error
+    assert f"(in CorruptLake.{call}: env 'corrupt_lake', seed 2, episode 0, turn " in t.error
     assert all(math.isfinite(u.reward) for u in t.turns)
-    with pytest.raises(EnvReturnError, match="CorruptLake"):
+    with pytest.raises(EnvReturnError) as raised:
         asyncio.run(
             run_episode(
                 spec,
@@ -91,6 +108,10 @@ def test_a_malformed_return_fails_the_episode_naming_env_and_field(
                 raise_env_errors=True,
             )
         )
+    # re-raised as itself (the type a user catches), with a note saying where
+    assert f"CorruptLake.{call}: {says}" in str(raised.value)
+    (note,) = raised.value.__notes__
+    assert note.startswith(f"rollpipe: raised in CorruptLake.{call}: env 'corrupt_lake', seed 2,")
 
 
 @pytest.mark.parametrize("mode", ["four_tuple", "reward_nan", "reset_one_value"])
@@ -135,8 +156,30 @@ def test_check_step_accepts_exactly_finite_float32_numbers(reward: Any) -> None:
     if ok:
         assert check_step(object(), result)[1] == float(reward)
     else:
-        with pytest.raises(EnvReturnError, match="reward"):
+        with pytest.raises(EnvReturnError) as raised:
             check_step(object(), result)
+        # the field and the value, as the env returned it
+        number = isinstance(reward, (int, float)) and not isinstance(reward, bool)
+        says = "is" if number else f"must be a real number, got {type(reward).__name__}"
+        assert f"object.step: reward {says} {reprlib.repr(reward)}" in str(raised.value)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    call=st.sampled_from(["reset", "step"]),
+    observation=st.one_of(
+        st.integers(), st.floats(allow_nan=False), st.none(), st.binary(max_size=4)
+    ),
+)
+def test_a_non_str_observation_is_named_with_its_type_and_value(
+    call: str, observation: Any
+) -> None:
+    check = check_reset if call == "reset" else check_step
+    result = (observation, {}) if call == "reset" else (observation, 0.0, False, False, {})
+    with pytest.raises(EnvReturnError) as raised:
+        check(FrozenLake(), result)
+    expected = f"observation must be a str, got {type(observation).__name__} "
+    assert str(raised.value) == f"FrozenLake.{call}: {expected}{reprlib.repr(observation)}"
 
 
 def test_check_reset_passes_good_returns_through() -> None:

@@ -359,3 +359,77 @@ def test_trajectories_without_turns_fail_their_group():
         "wasted_tokens": generated(trajs[:1]),  # the good member of the failed group
     }
     assert control.replacements_pending == 1
+
+
+def env_error(traj, env="nan_lake", call="NanLake.step"):
+    """``traj`` as run_episode records an env error: the exception's repr, then where."""
+    s = traj.spec
+    where = f"{call}: env {env!r}, seed {s.seed}, episode {s.episode_id}, turn 0"
+    return attrs.evolve(
+        traj,
+        spec=attrs.evolve(s, env=env),
+        error=f"EnvReturnError('{call}: reward is nan; a reward must be a finite number') "
+        f"(in {where})",
+        error_type="EnvReturnError",
+        error_call=call,
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(cap=st.integers(1, 7), group_size=st.integers(1, 3))
+def test_groups_dropped_in_a_row_for_errors_quote_the_last_errors(cap, group_size):
+    """Issue 22: the error said ``{'errored': 20}`` and named ``max_staleness`` (no
+    longer a PipelineConfig field) but not why the episodes errored. It now quotes the
+    last ``ERRORS_QUOTED`` errors (env, call, seed, field and value, as the env's
+    exception said) and names only the settings that dropped the groups."""
+    from rollpipe.nodes.starved import ERRORS_QUOTED
+
+    trajs = [
+        env_error(make_trajectory(g, g * group_size + m, end_reason="error"))
+        for g in range(cap)
+        for m in range(group_size)
+    ]
+    node = GroupAssembler(IterableWrapper(trajs), group_size, max_drops_in_a_row=cap)
+    with pytest.raises(RuntimeError) as info:
+        next(node)
+    message = str(info.value)
+    assert message.startswith(
+        f"GroupAssembler: {cap} groups in a row were dropped and none kept ({{'errored': {cap}}})"
+    )
+    # the cap is hit at the first error of the last group: errors up to it are quoted
+    seen = trajs[: (cap - 1) * group_size + 1]
+    quoted = seen[-ERRORS_QUOTED:]
+    for t in quoted:
+        assert f"* {t.error}" in message
+        assert f"env 'nan_lake', seed {t.seed}, episode {t.episode_id}," in message
+    for t in seen[:-ERRORS_QUOTED]:
+        assert f"episode {t.episode_id}," not in message
+    assert f"the last {len(quoted)} errors:" in message
+    assert "NanLake.step: reward is nan" in message and "redundancy=0" in message
+    assert "max_staleness" not in message and "keep_group" not in message
+    assert "max_drops_in_a_row=" in message
+
+
+def test_groups_dropped_in_a_row_name_todays_settings():
+    """Stale and filtered drops name the settings a pipeline user sets
+    (``async_generation_ratio``, ``keep_group`` / ``drop_group``), not ``max_staleness``."""
+    old = [make_trajectory(g, g, version=0) for g in range(3)]
+    node = GroupAssembler(
+        IterableWrapper(old), 1, max_staleness=1, current_version=lambda: 4, max_drops_in_a_row=3
+    )
+    with pytest.raises(RuntimeError) as info:
+        next(node)
+    message = str(info.value)
+    assert "({'stale': 3})" in message and "more than 1 policy versions behind" in message
+    assert "PipelineConfig.async_generation_ratio" in message
+    assert "max_staleness" not in message and "errors:" not in message
+    same = arrivals(2, 2, [0, 1, 2, 3], scores=[[1.0, 1.0], [0.0, 0.0]])
+    node = GroupAssembler(
+        IterableWrapper(same), 2, drop_group="zero_variance", max_drops_in_a_row=2
+    )
+    with pytest.raises(RuntimeError) as info:
+        next(node)
+    message = str(info.value)
+    assert "({'filtered': 2})" in message
+    assert "keep_group=None / drop_group='zero_variance' rejected every complete group" in message
+    assert "async_generation_ratio" not in message

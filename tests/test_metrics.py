@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Any
 
@@ -14,8 +15,10 @@ from torchdata.nodes import IterableWrapper
 
 from rollpipe.agent.records import EpisodeSpec, Group, Trajectory, Turn
 from rollpipe.data.metrics import DROP_KINDS, TAG_KEYS, batch_metrics, tag_metrics
+from rollpipe.envs import FrozenLake, register
 from rollpipe.nodes.batch import Batch
 from rollpipe.nodes.collate import Collate, merge_tag_drops
+from rollpipe.pipeline import PipelineConfig, RolloutPipeline
 
 TAGS = ["lake", "sokoban", "a/b"]
 
@@ -43,7 +46,7 @@ GLOBAL_KEYS = {
 }
 
 
-def make_turn(valid: bool, stepped: bool = True, reward: float = 0.0) -> Turn:
+def make_turn(valid: bool | None, stepped: bool = True, reward: float = 0.0) -> Turn:
     return Turn(
         prompt_ids=[1, 2],
         response_ids=[3, 4, 5],
@@ -61,7 +64,14 @@ def make_turn(valid: bool, stepped: bool = True, reward: float = 0.0) -> Turn:
 @st.composite
 def trajectories(draw: st.DrawFn, episode_id: int) -> Trajectory:
     turns = draw(
-        st.lists(st.builds(make_turn, st.booleans(), st.booleans(), st.sampled_from([0.0, 1.0])))
+        st.lists(
+            st.builds(
+                make_turn,
+                st.sampled_from([True, False, None]),  # None: the env did not report it
+                st.booleans(),
+                st.sampled_from([0.0, 1.0]),
+            )
+        )
     )
     metrics = draw(
         st.dictionaries(
@@ -122,10 +132,18 @@ def test_per_tag_metrics_add_up_to_the_global_ones(
         assert min(per_tag("score/min")[i] for i in range(len(tags)) if n[i]) == pytest.approx(
             m["episode_score/min"]
         )
-    turns = [sum(len(t.turns) for t in trajs if t.tag == tag) for tag in tags]
-    all_turns = max(sum(turns), 1)
-    rate = np.dot(turns, per_tag("valid_action_rate")) / all_turns
-    assert rate == pytest.approx(m["valid_action_rate"])
+    # valid_action_rate: over the turns whose validity is known, NaN where none is
+    known = [
+        sum(u.action_valid is not None for t in trajs if t.tag == tag for u in t.turns)
+        for tag in tags
+    ]
+    rates = per_tag("valid_action_rate")
+    assert [math.isnan(r) for r in rates] == [k == 0 for k in known]
+    if sum(known):
+        rate = sum(k * r for k, r in zip(known, rates, strict=True) if k) / sum(known)
+        assert rate == pytest.approx(m["valid_action_rate"])
+    else:
+        assert math.isnan(m["valid_action_rate"])
     for kind in DROP_KINDS:
         assert sum(per_tag(f"dropped/{kind}")) == m[f"dropped/{kind}"]
     for tag in tags:
@@ -171,10 +189,45 @@ def test_roll_names_for_a_roll_style_batch() -> None:
     assert {tag + k for k in TAG_KEYS} <= set(m)
 
 
+def test_valid_action_rate_counts_only_turns_whose_env_reported_it() -> None:
+    """An env that does not report ``info["action_valid"]`` (every gem env) leaves its
+    turns out of the rate: unknown, not invalid. With no known turn the rate is NaN."""
+
+    def traj(episode: int, tag: str, valid: list[bool | None]) -> Trajectory:
+        return Trajectory(
+            spec=EpisodeSpec(0, episode, 0, tag=tag),
+            env_id=0,
+            turns=[make_turn(v) for v in valid],
+            score=0.0,
+            success=False,
+            end_reason="terminated",
+        )
+
+    silent = traj(0, "gem", [None, None, None])
+    m = batch_metrics([silent])
+    assert math.isnan(m["valid_action_rate"]) and math.isnan(m["env/gem/valid_action_rate"])
+    lake = traj(1, "lake", [True, False, True, True])
+    m = batch_metrics([silent, lake, traj(2, "lake", [None, True])])
+    assert m["env/lake/valid_action_rate"] == 0.8  # 4 of the 5 reported turns
+    assert m["valid_action_rate"] == 0.8  # the silent env's 4 turns are left out
+    assert math.isnan(m["env/gem/valid_action_rate"])
+    # a cut turn that was not stepped is known invalid, whatever the env reports
+    cut = Trajectory(
+        spec=EpisodeSpec(0, 3, 0, tag="gem"),
+        env_id=0,
+        turns=[make_turn(None), make_turn(False, stepped=False)],
+        score=0.0,
+        success=False,
+        end_reason="max_length",
+    )
+    assert batch_metrics([cut])["valid_action_rate"] == 0.0
+
+
 def test_a_tag_with_only_drops_is_reported_with_zeros() -> None:
     m = tag_metrics("gone", [], {"stale": 3})
     assert m["env/gone/trajectories"] == 0.0 and m["env/gone/dropped/stale"] == 3.0
     assert m["env/gone/success_rate"] == 0.0 and m["env/gone/score/mean"] == 0.0
+    assert math.isnan(m["env/gone/valid_action_rate"])  # no turn: unknown
     assert batch_metrics([])["trajectories"] == 0.0
     assert not any(k.startswith("env/") for k in batch_metrics([]))
 
@@ -224,3 +277,49 @@ def test_group_tag_drops_merge_like_drops() -> None:
     g2 = Group(1, [], drops={"stale": 2}, tag_drops={"a": {"stale": 1}, "b": {"stale": 1}})
     assert merge_tag_drops([g1, g2]) == {"a": {"stale": 2}, "b": {"stale": 1}}
     assert merge_tag_drops([]) == {}
+
+
+class SilentLake(FrozenLake):
+    """FrozenLake whose ``step`` does not report ``info["action_valid"]``, as gem's envs."""
+
+    blocking = False
+
+    def step(self, action_text: str) -> Any:
+        obs, reward, terminated, truncated, info = super().step(action_text)
+        info.pop("action_valid")
+        return obs, reward, terminated, truncated, info
+
+
+register("silent_lake", SilentLake, overwrite=True)
+
+
+def test_an_env_that_does_not_report_action_valid_has_no_rate(
+    vllm_engine: Any, tokenizer: Any
+) -> None:
+    """Issue 22: such an env showed ``valid_action_rate`` 0.0, as if every action were
+    invalid. Its turns are unknown: the rate leaves them out (NaN for it alone)."""
+    config = PipelineConfig(
+        envs="silent_lake",
+        group_size=2,
+        batch_size=4,
+        max_turns=2,
+        concurrency=8,
+        seed=5,
+        sampling={"max_tokens": 12},
+    )
+    with RolloutPipeline(config, vllm_engine, tokenizer) as pipe:
+        m = pipe.get_batch().meta_info["metrics"]
+    assert m["turns/mean"] >= 1.0  # there were turns; their validity is unknown
+    assert math.isnan(m["valid_action_rate"]) and math.isnan(m["env/silent_lake/valid_action_rate"])
+    mixed = config.replace(
+        envs=[{"name": "silent_lake", "tag": "silent"}, {"name": "frozenlake", "tag": "lake"}],
+        batch_size=16,
+    )
+    with RolloutPipeline(mixed, vllm_engine, tokenizer) as pipe:
+        batch = pipe.get_batch()
+    m = batch.meta_info["metrics"]
+    tags = set(batch.non_tensor_batch["tags"])
+    assert tags == {"silent", "lake"}, tags  # both envs are in the batch (seed 5)
+    assert math.isnan(m["env/silent/valid_action_rate"])
+    assert 0.0 <= m["env/lake/valid_action_rate"] <= 1.0
+    assert m["valid_action_rate"] == m["env/lake/valid_action_rate"]  # the known turns only

@@ -107,12 +107,14 @@ def test_err_bool_mask_wrong_length():
 
 
 def test_err_float_indices():
-    with pytest.raises(IndexError, match="row indices must be integers or bools, got dtype float"):
+    with pytest.raises(
+        IndexError, match=r"row indices must be integers or bools, got \[0\.5\] \(dtype float"
+    ):
         make(3)[np.array([0.5])]
 
 
 def test_err_unsupported_index_type():
-    with pytest.raises(IndexError, match="cannot index rows with float"):
+    with pytest.raises(IndexError, match=r"cannot index rows with 1\.5 \(float\)"):
         make(3)[1.5]
 
 
@@ -142,7 +144,9 @@ def test_err_rename():
         make(2).rename("x", "y")
     with pytest.raises(ValueError, match="cannot rename 'ids' to 'uid': 'uid' exists"):
         make(2).rename("ids", "uid")
-    with pytest.raises(ValueError, match="rename got 2 old_keys but 1 new_keys"):
+    with pytest.raises(
+        ValueError, match=r"rename got 2 old_keys \['ids', 'uid'\] but 1 new_keys \['a'\]"
+    ):
         make(2).rename(["ids", "uid"], ["a"])
 
 
@@ -227,7 +231,7 @@ def test_err_more_chunks_than_rows():
         (lambda dp: dp.iter_minibatches(2, epochs=0), "epochs must be an int >= 1, got 0"),
         (lambda dp: pad_to_divisor(dp, 0), "size_divisor must be an int >= 1, got 0"),
         (lambda dp: unpad(dp, -1), "pad_size must be an int >= 0, got -1"),
-        (lambda dp: dp.slice(0, 2, 0), "slice step must not be zero"),
+        (lambda dp: dp.slice(0, 2, 0), r"slice step must not be 0, got slice\(0, 2, 0\)"),
     ],
 )
 def test_err_bad_counts(call, message):

@@ -38,7 +38,7 @@ CASES: dict[str, tuple[Callable[[], Any], type[Exception], str]] = {
     "concat([dp, None])": (
         lambda: DataProto.concat([make(), None]),  # type: ignore[list-item]
         ValueError,
-        "part 1 is a NoneType",
+        "part 1 is a NoneType, not a DataProto: None",
     ),
     "concat missing key": (
         lambda: DataProto.concat([make(), make().select(batch_keys=["ids"])]),
@@ -57,7 +57,7 @@ CASES: dict[str, tuple[Callable[[], Any], type[Exception], str]] = {
         "meta_info key 't' conflicts",
     ),
     "index out of range": (lambda: make()[9], IndexError, "row index 9 is out of range"),
-    "index None": (lambda: make()[None], IndexError, "cannot index rows with NoneType"),
+    "index None": (lambda: make()[None], IndexError, r"cannot index rows with None \(NoneType\)"),
     "index floats": (lambda: make()[[0.5]], IndexError, "integers or bools"),
     "index 2-D": (lambda: make()[np.array([[0, 1]])], IndexError, "must be 1-D"),
     "index mask length": (lambda: make()[np.array([True])], IndexError, "bool mask has 1"),
@@ -142,6 +142,90 @@ def test_misuse_raises_a_clear_error(name: str) -> None:
     call, kind, pattern = CASES[name]
     with pytest.raises(kind, match=pattern):
         call()
+
+
+# name -> the value the message must quote (issue 22: every error names the field and
+# the value); the field is in CASES' pattern
+VALUES: dict[str, str] = {
+    "chunk 0": "got 0",
+    "chunk float": "got 2.0",
+    "concat conflicting meta": "part 0 has 1.0 but part 1 has 2.0",
+    "concat dtype": "torch.float32 in part 1 but (4, 3) torch.int64 in part 0",
+    "concat missing key": "has batch keys ['ids'] but part 0 has ['ids', 'score']",
+    "concat width": "is (4, 5) torch.int64 in part 1 but (4, 3)",
+    "concat(None)": "got None (NoneType)",
+    "concat([])": "got an empty list",
+    "concat([dp, None])": "NoneType, not a DataProto: None",
+    "concat(dp)": "got DataProto(len=4",
+    "from_dict int key": "got 1 (int)",
+    "from_dict meta list": "got [1] (list)",
+    "from_dict ragged": "'b' has 3 rows but 'a' has 2",
+    "from_dict tensors list": "got [1, 2] (list)",
+    "from_single_dict None": "got None (NoneType)",
+    "group_by int": "got 3 (int)",
+    "index 2-D": "got shape (1, 2): [[0, 1]]",
+    "index None": "with None (NoneType)",
+    "index floats": "got [0.5] (dtype float64)",
+    "index mask length": "bool mask has 1 entries but the DataProto has 4 rows",
+    "index out of range": "row index 9",
+    "init batch dict": "got dict {'a': tensor([0., 0.])}",
+    "init columns list": "got [1, 2] (list)",
+    "init meta str": "got 'x' (str)",
+    "iter_minibatches 0": "got 0",
+    "pop int": "got 3 (int)",
+    "rename int": "got 3 (int)",
+    "reorder None": "with None (NoneType)",
+    "reorder not permutation": "4 indices with 3 distinct ([0, 0, 1, 2])",
+    "repeat None": "got None",
+    "sample_level_repeat None": "got None",
+    "save int path": "got 3 (int)",
+    "select int": "got 3 (int)",
+    "select unknown": "'x' not found",
+    "setitem int key": "got 3 (int)",
+    "setitem scalar": "got 3 (int)",
+    "setitem short": "'z' has 1 rows but the DataProto has 4",
+    "slice float bound": "got 0.5",
+    "slice str bound": "got '2'",
+    "split str": "got '2'",
+    "to bad device": "'nodevice' is not a device",
+    "union None": "got None (NoneType)",
+    "union rows": "this DataProto has 4 rows, the other 2",
+    "unknown column": "no column 'nope'",
+    "update None": "got None (NoneType)",
+    "update int": "got 3 (int)",
+}
+
+
+def test_every_case_says_which_value() -> None:
+    assert set(VALUES) == set(CASES)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_misuse_names_the_value(name: str) -> None:
+    call, kind, _ = CASES[name]
+    with pytest.raises(kind) as info:
+        call()
+    message = info.value.args[0] if isinstance(info.value, KeyError) else str(info.value)
+    assert VALUES[name] in message
+
+
+@pytest.mark.parametrize(
+    ("call", "says"),
+    [
+        (lambda: make().slice(0, 4, 0), "slice step must not be 0, got slice(0, 4, 0)"),
+        (lambda: make().group_by([]), "group_by needs at least one key, got []"),
+        (lambda: make().rename(["ids"], ["a", "b"]), "old_keys ['ids'] but 2 new_keys ['a', 'b']"),
+        (lambda: DataProto.from_dict(tensors={"a": torch.tensor(1.0)}), "is 0-d (tensor(1.))"),
+        (
+            lambda: make().reorder(np.array([[0, 1, 2, 3]])),
+            "row indices must be 1-D, got shape (1, 4): [[0, 1, 2, 3]]",
+        ),
+    ],
+)
+def test_more_misuse_names_field_and_value(call: Callable[[], Any], says: str) -> None:
+    with pytest.raises(IndexError if "indices" in says else ValueError) as info:
+        call()
+    assert says in str(info.value)
 
 
 @pytest.mark.parametrize(

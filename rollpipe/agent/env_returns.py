@@ -5,8 +5,11 @@
 dict)``. A return of another shape, a non-finite reward (NaN, inf, or beyond float32,
 where rows store it) or a reward that is not a number (``"1.5"``) fails the *episode*
 like an env that raised — its group is dropped and replaced, counted under
-``dropped/errored`` — with a message naming the env, the field and the value, instead of
-ending the whole stream with a bare TypeError later.
+``dropped/errored`` — with a message naming the env class, the call, the field and the
+value with its type, instead of ending the whole stream with a bare TypeError later::
+
+    FrozenLake.step: reward is nan; a reward must be a finite number
+    FrozenLake.step: observation must be a str, got int 5
 """
 
 from __future__ import annotations
@@ -22,22 +25,27 @@ import numpy as np
 __all__ = ["EnvReturnError", "check_reset", "check_step", "clip_reward"]
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+_SHAPES = {
+    "reset": "(observation: str, info: dict)",
+    "step": "(observation: str, reward: float, terminated: bool, truncated: bool, info: dict)",
+}
 
 
 class EnvReturnError(TypeError):
     """An env returned something the episode cannot use (see the module doc)."""
 
 
-def _fail(env: Any, call: str, what: str, value: Any) -> EnvReturnError:
-    return EnvReturnError(
-        f"{type(env).__name__}.{call} returned {what}, got {reprlib.repr(value)}; "
-        f"{call} must return "
-        + (
-            "(observation: str, info: dict)"
-            if call == "reset"
-            else "(observation: str, reward: float, terminated: bool, truncated: bool, info: dict)"
-        )
-    )
+def _got(value: Any) -> str:
+    """``int 5``, ``str '1.5'``, ``NoneType None``: the value's type, then the value."""
+    return f"{type(value).__name__} {reprlib.repr(value)}"
+
+
+def _fail(env: Any, call: str, problem: str) -> EnvReturnError:
+    return EnvReturnError(f"{type(env).__name__}.{call}: {problem}")
+
+
+def _wrong_type(env: Any, call: str, field: str, wanted: str, value: Any) -> EnvReturnError:
+    return _fail(env, call, f"{field} must be {wanted}, got {_got(value)}")
 
 
 def _flag(env: Any, name: str, value: Any) -> bool:
@@ -45,7 +53,7 @@ def _flag(env: Any, name: str, value: Any) -> bool:
         isinstance(value, numbers.Integral) and value in (0, 1)
     ):
         return bool(value)
-    raise _fail(env, "step", f"{name} that is not a bool", value)
+    raise _wrong_type(env, "step", name, "a bool", value)
 
 
 def _as_float(reward: Any) -> float:
@@ -71,30 +79,45 @@ def clip_reward(result: Any, limit: float) -> tuple[Any, bool]:
     return (result[0], math.copysign(limit, value), *result[2:]), True
 
 
+def _check_tuple(env: Any, call: str, result: Any, n: int) -> None:
+    if isinstance(result, tuple) and len(result) == n:
+        return
+    size = f" of {len(result)}" if isinstance(result, (tuple, list)) else ""
+    got = f"{type(result).__name__}{size} {reprlib.repr(result)}"
+    raise _fail(
+        env, call, f"the return must be a {n}-tuple, got {got}; {call} must return {_SHAPES[call]}"
+    )
+
+
 def check_reset(env: Any, result: Any) -> tuple[str, Mapping[str, Any]]:
-    if not (isinstance(result, tuple) and len(result) == 2):
-        raise _fail(env, "reset", "something other than a 2-tuple", result)
+    _check_tuple(env, "reset", result, 2)
     observation, info = result
     if not isinstance(observation, str):
-        raise _fail(env, "reset", "an observation that is not a str", observation)
+        raise _wrong_type(env, "reset", "observation", "a str", observation)
     if not isinstance(info, Mapping):
-        raise _fail(env, "reset", "an info that is not a dict", info)
+        raise _wrong_type(env, "reset", "info", "a dict", info)
     return observation, info
 
 
 def check_step(env: Any, result: Any) -> tuple[str, float, bool, bool, Mapping[str, Any]]:
-    if not (isinstance(result, tuple) and len(result) == 5):
-        raise _fail(env, "step", "something other than a 5-tuple", result)
+    _check_tuple(env, "step", result, 5)
     observation, reward, terminated, truncated, info = result
     if not isinstance(observation, str):
-        raise _fail(env, "step", "an observation that is not a str", observation)
+        raise _wrong_type(env, "step", "observation", "a str", observation)
     if isinstance(reward, (bool, np.bool_)) or not isinstance(reward, numbers.Real):
-        raise _fail(env, "step", "a reward that is not a real number", reward)
+        raise _wrong_type(env, "step", "reward", "a real number", reward)
     value = _as_float(reward)
     if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
-        raise _fail(env, "step", "a reward that is not finite in float32", reward)
+        beyond = (
+            f", beyond float32 (|reward| <= {_FLOAT32_MAX:.4g})" if math.isfinite(value) else ""
+        )
+        raise _fail(
+            env,
+            "step",
+            f"reward is {reprlib.repr(reward)}{beyond}; a reward must be a finite number",
+        )
     if not isinstance(info, Mapping):
-        raise _fail(env, "step", "an info that is not a dict", info)
+        raise _wrong_type(env, "step", "info", "a dict", info)
     return (
         observation,
         value,

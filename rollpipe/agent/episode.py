@@ -16,9 +16,11 @@ Outcomes, each defined (never a hang):
 * the env raises, returns something malformed (see ``env_returns``), reports malformed
   ``info["metrics"]`` or a call outlives ``env_timeout_s``, or an engine request outlives
   ``generation_timeout_s`` (optional; time paused does not count) -> ``"error"``; the error
-  text is the exception's repr followed by where: env class and call, env name, seed,
-  episode and turn (re-raised instead with ``raise_env_errors=True``); engine errors
-  always propagate;
+  text (``env_errors``) is the exception's repr, cut to 500 characters, then where: env
+  class and call, env name, seed, episode and turn. With ``raise_env_errors=True`` the
+  exception itself is re-raised instead (its type kept, so ``except EnvTimeoutError``
+  still catches it), with a note saying where (``BaseException.add_note``: the traceback
+  prints it); engine errors always propagate;
 * a response cut at ``max_tokens`` (finish_reason ``"length"``): ``on_length="step"``
   (default, as ROLL) hands the cut text to the env like any other response, and the
   env's reward is all it gets; ``"skip"`` does not step the env — the turn gets
@@ -43,6 +45,7 @@ from typing import Any, Literal, TypeVar
 
 from rollpipe._utils.seeding import derive_seed
 from rollpipe.agent.chat import ChatFormat
+from rollpipe.agent.env_errors import EnvFailed
 from rollpipe.agent.env_returns import check_reset, check_step, clip_reward
 from rollpipe.agent.env_threads import EnvLease, EnvThreads, EnvTimeoutError
 from rollpipe.agent.generation_timeout import GenerationTimeoutError, answer_within
@@ -64,21 +67,6 @@ DEFAULT_ENV_TIMEOUT_S = 60.0
 """Default limit of one ``reset`` / ``step`` call (``PipelineConfig.env_timeout_s``)."""
 
 
-class _EnvFailed(Exception):
-    """Internal: wraps an exception raised by the env (``error``), with where it happened;
-    also a request over ``generation_timeout_s``, which fails its episode the same way."""
-
-    def __init__(self, error: Exception, where: str) -> None:
-        if isinstance(error, EnvTimeoutError):
-            text = f"EnvTimeoutError({where}: {error}; raise env_timeout_s or fix the env)"
-        elif isinstance(error, GenerationTimeoutError):
-            text = f"GenerationTimeoutError({where}: {error}; raise generation_timeout_s)"
-        else:
-            text = f"{error!r} (in {where})"
-        super().__init__(text)
-        self.error = error
-
-
 class _Clock:
     def __init__(self) -> None:
         self.env = 0.0
@@ -90,7 +78,7 @@ class _Clock:
 class _EnvCaller:
     """How one episode calls its env: awaited (async env), inline (declared
     ``blocking = False``) or on ``threads`` (any other), each call limited to ``timeout``
-    seconds and its return ``check``ed. Any failure becomes ``_EnvFailed``."""
+    seconds and its return ``check``ed. Any failure becomes ``EnvFailed``."""
 
     def __init__(
         self,
@@ -130,7 +118,7 @@ class _EnvCaller:
                 result = await self.threads.call(fn, arg, timeout=self.timeout, on_return=on_return)
             return check(await self._awaited(result) if inspect.isawaitable(result) else result)
         except Exception as exc:  # the env's failure, whatever it is
-            raise _EnvFailed(exc, self.where(name, turn)) from exc
+            raise EnvFailed(exc, self.where(name, turn)) from exc
         finally:
             self.clock.env += time.perf_counter() - start
 
@@ -284,6 +272,7 @@ async def run_episode(
         stop_ids = (*stop_ids, chat.eot_id)
     end_reason: EndReason = "max_turns"
     error: str | None = None
+    failure: EnvFailed | None = None
     success = False
     observation = ""
     metrics: list[dict[str, float]] = []  # each env step's info["metrics"]
@@ -305,6 +294,8 @@ async def run_episode(
             final_observation=observation,
             history_window=chat.history_window,
             env_metrics=aggregate_metrics(metrics, agg_modes),
+            error_type=None if failure is None else type(failure.error).__name__,
+            error_call=None if failure is None else failure.call,
         )
 
     try:
@@ -329,7 +320,7 @@ async def run_episode(
                 )
             except GenerationTimeoutError as exc:
                 where = f"engine request: {call_env.episode(t)}"
-                raise _EnvFailed(exc, f"{where}, generation_timeout_s={exc.limit}") from exc
+                raise EnvFailed(exc, f"{where}, generation_timeout_s={exc.limit}") from exc
             fields = _turn(added, gen, chat.decode(gen.token_ids), observation)
             if not windowed:
                 context = [*prompt, *gen.token_ids]
@@ -341,27 +332,26 @@ async def run_episode(
                 continue
             try:
                 step = await call_env("step", t, checked_step, fields["action_text"])
-            except _EnvFailed:
+            except EnvFailed:
                 turns.append(Turn(**fields, reward=0.0, action_valid=False, stepped=False))
                 raise
             observation, reward, terminated, truncated, info = step
-            turns.append(
-                Turn(**fields, reward=reward, action_valid=bool(info.get("action_valid", False)))
-            )
+            # an env that does not report action_valid: unknown (None), not invalid
+            turns.append(Turn(**fields, reward=reward, action_valid=info.get("action_valid")))
             success = bool(info.get("success", False))
             try:
                 step_values, modes = step_metrics(info)
             except ValueError as exc:  # the env's bug: recorded like an env error
-                raise _EnvFailed(exc, call_env.where("step", t)) from exc
+                raise EnvFailed(exc, call_env.where("step", t)) from exc
             metrics.append(step_values)
             agg_modes.update(modes)
             if terminated or truncated:
                 end_reason = "terminated" if terminated else "truncated"
                 break
-    except _EnvFailed as failed:
+    except EnvFailed as failed:
         if raise_env_errors:
-            raise failed.error from None
-        end_reason, error = "error", str(failed)
+            failed.reraise()
+        end_reason, error, failure = "error", str(failed), failed
     finally:
         if own_threads:
             threads.close(0.0)  # its thread ends once idle (or once a hung call returns)

@@ -48,6 +48,11 @@ def _floats(value: Iterable[float]) -> tuple[float, ...]:
     return tuple(value)
 
 
+def _known_bool(value: Any) -> bool | None:
+    """``None`` (not reported) stays ``None``; anything else becomes a bool."""
+    return None if value is None else bool(value)
+
+
 def _values(x: Any) -> list[Any]:
     """A tensor (or a list, as JSON gives it back) from state as Python scalars."""
     return x.tolist() if isinstance(x, torch.Tensor) else list(x)
@@ -106,6 +111,11 @@ class Turn:
     "length"``) is stepped like any other by default; with ``on_length="skip"`` or
     ``"end"`` it is not, and ``reward`` is then the explicit length penalty.
     ``observation`` is the env observation this turn answered.
+
+    ``action_valid`` is the env's ``info["action_valid"]`` for a stepped turn, ``None``
+    when the env did not report it (unknown, not invalid: ``valid_action_rate`` leaves
+    such turns out), and ``False`` for a turn that was not stepped (a cut response under
+    ``on_length="skip"`` / ``"end"``, or a step that raised).
     """
 
     prompt_ids: tuple[int, ...] = attrs.field(converter=_ints)
@@ -114,7 +124,7 @@ class Turn:
     versions: tuple[int, ...] = attrs.field(converter=_ints)
     reward: float = attrs.field(converter=float)
     finish_reason: str = attrs.field(validator=attrs.validators.in_(TURN_FINISH_REASONS))
-    action_valid: bool = attrs.field(converter=bool)
+    action_valid: bool | None = attrs.field(converter=_known_bool)
     action_text: str
     observation: str
     stepped: bool = attrs.field(default=True, converter=bool)
@@ -194,7 +204,10 @@ class Trajectory:
     ``score`` is the sum of turn rewards (length penalties included). ``end_reason``:
     ``terminated``/``truncated`` (the env said so), ``max_turns``, ``max_length`` (the
     token budget left no room for another turn — possibly at turn 0, with no turns),
-    ``error`` (the env raised; ``error`` holds its repr). ``history_window`` is the
+    ``error`` (the env raised; ``error`` holds its repr, then where: env class and call,
+    env name, seed, episode, turn, as ``rollpipe.agent.env_errors`` writes it;
+    ``error_type`` the exception's class name, ``error_call`` the call, e.g.
+    ``"FrozenLake.step"`` or ``"engine request"``). ``history_window`` is the
     ``ChatFormat`` mode the prompts were built in (``None``: one growing conversation).
     ``env_metrics`` are the env's step ``info["metrics"]`` aggregated over the episode
     (``rollpipe.envs.metrics``); they take part in equality, not in hashing.
@@ -214,6 +227,8 @@ class Trajectory:
     final_observation: str = ""
     history_window: int | None = None
     env_metrics: Mapping[str, float] = attrs.field(factory=dict, converter=_metrics, hash=False)
+    error_type: str | None = None
+    error_call: str | None = None
 
     def __attrs_post_init__(self) -> None:
         if (self.end_reason == "error") != (self.error is not None):
@@ -221,6 +236,12 @@ class Trajectory:
                 f"Trajectory.error must be set exactly when end_reason == 'error'; got "
                 f"end_reason={self.end_reason!r}, error={self.error!r}"
             )
+        for name in ("error_type", "error_call"):
+            if self.error is None and getattr(self, name) is not None:
+                raise ValueError(
+                    f"Trajectory.{name}={getattr(self, name)!r} needs an error; got "
+                    f"end_reason={self.end_reason!r}, error=None"
+                )
 
     @property
     def group_id(self) -> int:
@@ -295,6 +316,8 @@ class Trajectory:
             "final_observation": self.final_observation,
             "history_window": self.history_window,
             "env_metrics": dict(self.env_metrics),
+            "error_type": self.error_type,
+            "error_call": self.error_call,
         }
 
     @classmethod
@@ -320,19 +343,6 @@ def _errors(value: Iterable[Mapping[str, Any]]) -> tuple[dict[str, Any], ...]:
     return tuple(dict(e) for e in value)
 
 
-def error_entry(traj: Trajectory) -> dict[str, Any]:
-    """What a user reads about an errored trajectory (``meta_info["env_errors"]``)."""
-    return {
-        "env": traj.spec.env,
-        "tag": traj.tag,
-        "seed": traj.spec.seed,
-        "group_id": traj.group_id,
-        "episode_id": traj.spec.episode_id,
-        "turn": max(len(traj.turns) - 1, 0),  # the turn it failed in (0: reset, or turn 0)
-        "message": traj.error or "",
-    }
-
-
 @attrs.frozen
 class Group:
     """The trajectories of one group id, plus counts of what was dropped before it.
@@ -340,7 +350,7 @@ class Group:
     ``drops`` counts by reason; ``tag_drops`` splits the same counts by env tag
     (``{tag: {reason: n}}``), so per-tag metrics can report them; ``errors`` holds the
     most recent errored trajectories behind them (``error_entry``: env, seed, turn,
-    message). None takes part in equality.
+    call, type, message). None takes part in equality.
     """
 
     group_id: int = attrs.field(validator=int_at_least(0))

@@ -54,7 +54,9 @@ def concat_parts(data: Any, cls: type) -> list[Any]:
         raise ValueError("concat needs at least one DataProto, got an empty list")
     for i, part in enumerate(parts):
         if not isinstance(part, cls):
-            raise ValueError(f"concat part {i} is a {type(part).__name__}, not a DataProto")
+            raise ValueError(
+                f"concat part {i} is a {type(part).__name__}, not a DataProto: {short_repr(part)}"
+            )
     return parts
 
 

@@ -65,7 +65,8 @@ def as_object_column(key: str, value: Any) -> np.ndarray:
         return object_array(value)
     raise ValueError(
         f"non-tensor column {key!r} must be a numpy array, list or tuple with one entry per "
-        f"row, got {type(value).__name__}; put per-batch values in meta_info instead"
+        f"row, got {short_repr(value)} ({type(value).__name__}); put per-batch values in "
+        "meta_info instead"
     )
 
 
@@ -96,7 +97,9 @@ def column_rows(key: str, value: Any) -> tuple[Any, int]:
         value = as_object_column(key, value)
         rows = len(value)
     if rows is None:
-        raise ValueError(f"column {key!r} is 0-d; a column needs a leading row dimension")
+        raise ValueError(
+            f"column {key!r} is 0-d ({short_repr(value)}); a column needs a leading row dimension"
+        )
     return value, rows
 
 
@@ -179,7 +182,9 @@ def check_fields(batch: TensorDictBase | None, columns: Mapping[str, Any], meta:
         if batch is not None and key in batch:
             raise ValueError(f"key {key!r} is in both batch and non_tensor_batch; keep one")
     if not isinstance(meta, dict):
-        raise ValueError(f"meta_info must be a dict, got {type(meta).__name__}")
+        raise ValueError(
+            f"meta_info must be a dict, got {short_repr(meta)} ({type(meta).__name__})"
+        )
 
 
 def check_union(mine: Mapping[str, Any], theirs: Mapping[str, Any], what: str) -> None:
@@ -215,7 +220,10 @@ def check_keys(
 def check_rename(old: Sequence[str], new: Sequence[str], present: Sequence[str]) -> None:
     """``rename``'s precondition: pairs of keys, each old key present, no new key taken."""
     if len(old) != len(new):
-        raise ValueError(f"rename got {len(old)} old_keys but {len(new)} new_keys")
+        raise ValueError(
+            f"rename got {len(old)} old_keys {list(old)} but {len(new)} new_keys {list(new)}; "
+            "give one new key per old key"
+        )
     for o, nk in zip(old, new, strict=True):
         if o not in present:
             raise KeyError(f"cannot rename {o!r}: no such column; columns are {list(present)}")

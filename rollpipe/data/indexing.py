@@ -40,11 +40,14 @@ def normalize_index(idx: Any, n: int) -> np.ndarray:
         arr = np.asarray(idx) if len(idx) else np.zeros(0, dtype=np.int64)
     else:
         raise IndexError(
-            f"cannot index rows with {type(idx).__name__}; use an int, a slice, a list / numpy "
-            "array / tensor of ints, a bool mask, or a column name"
+            f"cannot index rows with {short_repr(idx)} ({type(idx).__name__}); use an int, a "
+            "slice, a list / numpy array / tensor of ints, a bool mask, or a column name"
         )
     if arr.ndim != 1:
-        raise IndexError(f"row indices must be 1-D, got shape {arr.shape}; flatten them first")
+        raise IndexError(
+            f"row indices must be 1-D, got shape {arr.shape}: {short_repr(arr.tolist())}; "
+            "flatten them first"
+        )
     if arr.dtype == bool:
         if arr.shape[0] != n:
             raise IndexError(
@@ -53,7 +56,10 @@ def normalize_index(idx: Any, n: int) -> np.ndarray:
             )
         return np.flatnonzero(arr).astype(np.int64)
     if not np.issubdtype(arr.dtype, np.integer):
-        raise IndexError(f"row indices must be integers or bools, got dtype {arr.dtype}")
+        raise IndexError(
+            f"row indices must be integers or bools, got {short_repr(arr.tolist())} "
+            f"(dtype {arr.dtype})"
+        )
     arr = arr.astype(np.int64)
     bad = (arr < -n) | (arr >= n)
     if bad.any():
@@ -70,7 +76,8 @@ def check_permutation(idx: np.ndarray, n: int) -> np.ndarray:
     if len(idx) != n or distinct != n:
         raise ValueError(
             f"reorder needs a permutation of all {n} rows, got {len(idx)} indices "
-            f"with {distinct} distinct; use select_idxs to pick or repeat rows"
+            f"with {distinct} distinct ({short_repr(np.asarray(idx).tolist())}); use "
+            "select_idxs to pick or repeat rows"
         )
     return idx
 

@@ -44,7 +44,10 @@ def merge_meta_info(metas: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                         bucket.extend(v) if isinstance(v, list) else bucket.append(v)
             elif key == "env_errors" and isinstance(value, list):
                 if not isinstance(merged.setdefault(key, []), list):
-                    raise ValueError(f"meta_info['env_errors'] of part {i} must be a list")
+                    raise ValueError(
+                        f"meta_info['env_errors'] of part {first_part[key]} must be a list "
+                        f"(as in part {i}), got {short_repr(merged[key])}"
+                    )
                 merged[key] = [*merged[key], *value]
             elif key not in merged:
                 merged[key] = value

@@ -6,10 +6,18 @@ Flat ``name -> float`` dicts, the shape ROLL and verl keep in ``meta_info["metri
 ``action_is_valid``... averaged over the tag's trajectories) and rollpipe's
 (``TAG_KEYS``, plus ``dropped/{kind}``), which win a name clash as ROLL's
 ``num_actions`` does.
+
+``valid_action_rate`` (global and per tag) is the fraction of turns with a valid action
+among the turns whose validity is known: turns whose env reported ``info["action_valid"]``,
+and turns not stepped (a cut response under ``on_length="skip"`` / ``"end"``: invalid). A
+turn whose env did not report it (``Turn.action_valid is None``, e.g. every gem env) is
+left out, and with no known turn the rate is NaN (unknown, not 0.0). The key is always
+present, so per-batch lists stay aligned across a ``DataProto.concat``.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
@@ -56,8 +64,9 @@ def _stats(prefix: str, values: np.ndarray) -> dict[str, float]:
 
 
 def _valid_rate(trajectories: Sequence[Trajectory]) -> float:
-    turns = [u.action_valid for t in trajectories for u in t.turns]
-    return float(np.mean(turns)) if turns else 0.0
+    """Valid among the turns whose validity is known; NaN when none is (module doc)."""
+    known = [u.action_valid for t in trajectories for u in t.turns if u.action_valid is not None]
+    return float(np.mean(known)) if known else math.nan
 
 
 def tag_metrics(
@@ -66,7 +75,8 @@ def tag_metrics(
     """``env/{tag}/...`` for the trajectories of one tag and the drops counted for it.
 
     Env metrics are averaged over the trajectories that report them (ROLL reduces its
-    per-trajectory ``env/{tag}/*`` lists by mean); ``valid_action_rate`` is per turn,
+    per-trajectory ``env/{tag}/*`` lists by mean); ``valid_action_rate`` is per turn, over
+    the turns whose validity is known (NaN if none is: see the module doc),
     ``num_actions`` the mean count of env steps per trajectory (ROLL's name).
     """
     prefix = f"env/{tag}/"

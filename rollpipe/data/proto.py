@@ -30,6 +30,7 @@ from rollpipe.data.columns import (
     coerce_columns,
     concat_columns,
     keys_arg,
+    short_repr,
 )
 from rollpipe.data.equality import values_equal
 from rollpipe.data.indexing import (
@@ -61,8 +62,9 @@ class DataProto:
     ) -> None:
         if batch is not None and not isinstance(batch, TensorDictBase):
             raise ValueError(
-                f"batch must be a tensordict.TensorDict or None, got {type(batch).__name__}; "
-                "use DataProto.from_dict(tensors=...) to build one from a dict of tensors"
+                f"batch must be a tensordict.TensorDict or None, got {type(batch).__name__} "
+                f"{short_repr(batch)}; use DataProto.from_dict(tensors=...) to build one from a "
+                "dict of tensors"
             )
         self.batch: TensorDictBase | None = batch
         self.non_tensor_batch: dict[str, np.ndarray] = args.object_columns(non_tensor_batch)
@@ -192,7 +194,7 @@ class DataProto:
         args.check_slice(start, end, step)
         if step is not None and step <= 0:
             if step == 0:
-                raise ValueError("slice step must not be zero")
+                raise ValueError(f"slice step must not be 0, got slice({start}, {end}, {step})")
             return self._take(np.arange(len(self))[start:end:step])
         s = slice(start, end, step)
         batch = None if self.batch is None else self.batch[s]
@@ -283,7 +285,9 @@ class DataProto:
     def union(self, other: DataProto) -> DataProto:
         """Add ``other``'s columns and meta_info in place; shared keys must hold equal values."""
         if not isinstance(other, DataProto):
-            raise ValueError(f"union needs a DataProto, got {type(other).__name__}")
+            raise ValueError(
+                f"union needs a DataProto, got {short_repr(other)} ({type(other).__name__})"
+            )
         self._check_rows(len(other), "union")
         other_keys = other.keys()
         check_union({k: self[k] for k in self.keys()}, {k: other[k] for k in other_keys}, "column")
@@ -330,7 +334,7 @@ class DataProto:
         """Rows grouped by the value of one column (a tuple for several), first-seen order."""
         names = keys_arg(keys, "group_by keys") or []
         if not names:
-            raise ValueError("group_by needs at least one key")
+            raise ValueError(f"group_by needs at least one key, got {keys!r}")
         for key in names:
             if key not in self:
                 raise KeyError(f"group_by key {key!r} not found; columns are {self.keys()}")

@@ -33,7 +33,10 @@ def decode_row(batch: DataProto, index: int, tokenizer: Any) -> dict[str, Any]:
     """One row as plain data: ids, score, end reason and the decoded prompt/response spans."""
     td = batch.batch
     if td is None:
-        raise ValueError("decode_row needs a DataProto with tensors (input_ids, masks)")
+        raise ValueError(
+            "decode_row needs a DataProto with tensors (input_ids, attention_mask, "
+            f"response_mask), got batch=None; its columns are {batch.keys()}"
+        )
     row_spans = spans(
         td["input_ids"][index], td["attention_mask"][index], td["response_mask"][index]
     )

@@ -131,7 +131,7 @@ def right_aligned(attention_mask: Tensor, width: int) -> Place:
     lengths = attention_mask.sum(1)
     longest = int(lengths.max()) if rows else 0
     if width < longest:
-        raise ValueError(f"width {width} is shorter than the longest row ({longest} tokens)")
+        raise ValueError(f"width={width} is shorter than the longest row ({longest} tokens)")
     order = _aligned_order(attention_mask)
     columns = torch.arange(width).expand(rows, width)
     index = order.gather(1, columns.clamp(max=max(native - 1, 0))) if native else columns

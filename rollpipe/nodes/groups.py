@@ -21,8 +21,10 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from rollpipe._utils.checks import check_int
-from rollpipe.agent.records import Group, Trajectory, error_entry
+from rollpipe.agent.env_errors import error_entry
+from rollpipe.agent.records import Group, Trajectory
 from rollpipe.nodes.signals import RolloutControl
+from rollpipe.nodes.starved import starved_message
 
 GroupRule = Callable[[Group], bool]
 """A predicate on a complete group; ``keep_group`` keeps it on True, ``drop_group`` drops it."""
@@ -134,10 +136,6 @@ def resolve_filter(filter: str | GroupRule | None) -> GroupRule | None:
     return FILTERS[filter]
 
 
-def _describe(rule: Any) -> str:
-    return repr(getattr(rule, "__name__", rule))
-
-
 class GroupAssembler(BaseNode[Group]):
     """Buffers trajectories by ``group_id`` and yields complete :class:`Group` records.
 
@@ -158,7 +156,8 @@ class GroupAssembler(BaseNode[Group]):
         current_version: the trainer's current policy version (usually ``engine.version``).
         control: shared control; cancels redundant members and requests replacements.
         max_drops_in_a_row: groups dropped one after another, with none kept, before
-            ``next()`` gives up with an error naming the reasons (a rule that rejects
+            ``next()`` gives up with an error naming the reasons, the settings behind them
+            and the last env errors (``rollpipe.nodes.starved``; a rule that rejects
             everything the policy produces would otherwise request replacements forever).
 
     Each yielded group carries ``drops``: the counts of what was dropped since the
@@ -282,12 +281,15 @@ class GroupAssembler(BaseNode[Group]):
             self._group_drops[drop_reason] += 1
             if sum(self._group_drops.values()) >= self.max_drops_in_a_row:
                 raise RuntimeError(
-                    f"GroupAssembler: {sum(self._group_drops.values())} groups in a row were "
-                    f"dropped and none kept ({dict(self._group_drops)}); with keep_group="
-                    f"{_describe(self.keep_group)}, drop_group={_describe(self.drop_group)} "
-                    f"and max_staleness={self.max_staleness!r} nothing this policy produces "
-                    "is usable. Loosen the rules or max_staleness, fix the env, or raise "
-                    "max_drops_in_a_row"
+                    starved_message(
+                        self._group_drops,
+                        self._error_log,
+                        redundancy=self.redundancy,
+                        keep_group=self.keep_group,
+                        drop_group=self.drop_group,
+                        staleness=self.max_staleness,
+                        max_drops_in_a_row=self.max_drops_in_a_row,
+                    )
                 )
 
     @property

@@ -29,14 +29,23 @@ from rollpipe.pipeline import RolloutPipeline
 
 BATCH_BOUND_S = 60.0  # generous: a batch here takes well under a second
 NUM_GROUPS = 12
-# fault -> what the error text says
+# fault -> what the error text says (the exception, the field and the value)
 MESSAGES = {
     "raise_step": "RuntimeError('injected step failure",
     "raise_reset": "OSError('injected reset failure",
-    "nan_reward": "a reward that is not finite in float32",
-    "huge_reward": "a reward that is not finite in float32",
-    "str_reward": "a reward that is not a real number",
-    "obs_not_str": "an observation that is not a str",
+    "nan_reward": "FaultLake.step: reward is nan;",
+    "huge_reward": "FaultLake.step: reward is 1e+308, beyond float32",
+    "str_reward": "FaultLake.step: reward must be a real number, got str '1.5'",
+    "obs_not_str": "FaultLake.step: observation must be a str, got int 7",
+}
+# fault -> the exception's type and the call that failed
+RAISED = {
+    "raise_step": ("RuntimeError", "step"),
+    "raise_reset": ("OSError", "reset"),
+    "nan_reward": ("EnvReturnError", "step"),
+    "huge_reward": ("EnvReturnError", "step"),
+    "str_reward": ("EnvReturnError", "step"),
+    "obs_not_str": ("EnvReturnError", "step"),
 }
 
 
@@ -104,8 +113,12 @@ def test_a_faulty_env_fails_only_its_episodes(
     assert reported <= counted  # the rest was dropped after the last batch (not reported)
     assert len(errors) == reported  # fewer than MAX_ERRORS_KEPT per group here
     logged = {(seed, step) for _, seed, step, _ in FaultLake.log}
+    kind, call = RAISED[fault]
+    cls = "InlineFaultLake" if inline else "FaultLake"
     for e in errors:
-        assert e["env"] == env and MESSAGES[fault] in e["message"]
+        assert e["env"] == env and MESSAGES[fault].replace("FaultLake", cls) in e["message"]
+        assert e["type"] == kind and e["call"] == f"{cls}.{call}"
+        assert f"(in {cls}.{call}: env {env!r}, seed {e['seed']}," in e["message"]
         assert f"seed {e['seed']}" in e["message"] and f"turn {e['turn']}" in e["message"]
         assert (e["seed"], 0 if fault == "raise_reset" else e["turn"] + 1) in logged
     assert total["errored"] >= 1

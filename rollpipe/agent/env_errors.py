@@ -1,0 +1,76 @@
+"""How an env failure is told: the errored trajectory's text, the note on an exception
+re-raised under ``raise_env_errors=True``, and the entry in ``meta_info["env_errors"]``.
+
+Each says what was raised (type and text, cut to ``MAX_ERROR_CHARS``) and where: env
+class and call, env name, seed, episode and turn, e.g.::
+
+    EnvReturnError('FrozenLake.step: reward is nan; a reward must be a finite number') (in
+    FrozenLake.step: env 'frozenlake', seed 5, episode 3, turn 0, env_timeout_s=60.0)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollpipe.agent.env_threads import EnvTimeoutError
+from rollpipe.agent.generation_timeout import GenerationTimeoutError
+from rollpipe.agent.records import Trajectory
+
+__all__ = ["MAX_ERROR_CHARS", "EnvFailed", "error_entry"]
+
+MAX_ERROR_CHARS = 500
+"""How much of an env exception's text an errored trajectory keeps (``where`` comes whole)."""
+
+
+def _cut(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    return text if len(text) <= limit else f"{text[: limit - 25]}... ({len(text)} chars)"
+
+
+class EnvFailed(Exception):
+    """An exception raised by the env (``error``) with where it happened; also a request
+    over ``generation_timeout_s``, which fails its episode the same way.
+
+    ``where`` starts with the call (``"FrozenLake.step: env 'frozenlake', seed 5, ..."``,
+    or ``"engine request: env ..."``); ``call`` is that part, ``str(self)`` the text the
+    trajectory keeps, ``note`` what a re-raised ``error`` carries.
+    """
+
+    def __init__(self, error: Exception, where: str) -> None:
+        if isinstance(error, EnvTimeoutError):
+            hint = "raise env_timeout_s or fix the env"
+            text = f"EnvTimeoutError({where}: {_cut(str(error))}; {hint})"
+        elif isinstance(error, GenerationTimeoutError):
+            hint = "raise generation_timeout_s"
+            text = f"GenerationTimeoutError({where}: {_cut(str(error))}; {hint})"
+        else:
+            hint = ""
+            text = f"{_cut(repr(error))} (in {where})"
+        super().__init__(text)
+        self.error = error
+        self.call = where.partition(":")[0]
+        self.note = f"rollpipe: raised in {where}" + (f"; {hint}" if hint else "")
+
+    def reraise(self) -> None:
+        """Raise the env's own exception (its type kept, so ``except EnvTimeoutError``
+        still catches it), with ``note`` added: the traceback prints it."""
+        if self.note not in getattr(self.error, "__notes__", ()):  # the same object twice
+            self.error.add_note(self.note)
+        raise self.error from None
+
+
+def error_entry(traj: Trajectory) -> dict[str, Any]:
+    """What a user reads about an errored trajectory (``meta_info["env_errors"]``): ``env``,
+    ``tag``, ``seed``, ``group_id``, ``episode_id``, ``turn``, ``call`` (e.g.
+    ``"FrozenLake.step"``), ``type`` (the exception's class name) and ``message``
+    (``Trajectory.error``: the exception's repr, then where)."""
+    return {
+        "env": traj.spec.env,
+        "tag": traj.tag,
+        "seed": traj.spec.seed,
+        "group_id": traj.group_id,
+        "episode_id": traj.spec.episode_id,
+        "turn": max(len(traj.turns) - 1, 0),  # the turn it failed in (0: reset, or turn 0)
+        "call": traj.error_call or "",
+        "type": traj.error_type or "",
+        "message": traj.error or "",
+    }
