@@ -19,7 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollpipe.agent.chat import ChatFormat
+from rollpipe.agent.env_errors import MAX_ERROR_CHARS, EnvFailed
 from rollpipe.agent.env_returns import EnvReturnError, check_reset, check_step, clip_reward
+from rollpipe.agent.env_threads import EnvTimeoutError
 from rollpipe.agent.episode import run_episode
 from rollpipe.agent.records import EpisodeSpec
 from rollpipe.engines.records import SamplingParams
@@ -229,3 +231,32 @@ def test_reward_clip_clips_and_counts_but_nan_still_fails(
     else:
         assert clipped >= 1 and errored == 0
         assert (scores.abs() >= 1.5).any()  # a clipped reward of ±2 is in some score
+
+
+WHERE = "FrozenLake.step: env 'frozenlake', seed 5, episode 3, turn 1, env_timeout_s=60.0"
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=st.text(max_size=2000), kind=st.sampled_from([RuntimeError, ValueError, OSError]))
+def test_an_errors_text_is_bounded_and_where_is_kept_whole(text: str, kind: type) -> None:
+    """The record keeps the exception's type and text, cut to ``MAX_ERROR_CHARS``, and
+    where it happened, always whole: a huge message cannot push the env or seed out."""
+    failed = EnvFailed(kind(text), WHERE)
+    message = str(failed)
+    what = repr(kind(text))
+    assert message.endswith(f" (in {WHERE})") and failed.call == "FrozenLake.step"
+    head = message[: -len(f" (in {WHERE})")]
+    assert len(head) <= MAX_ERROR_CHARS
+    if len(what) <= MAX_ERROR_CHARS:
+        assert head == what
+    else:
+        assert head.startswith(what[:100]) and head.endswith(f"... ({len(what)} chars)")
+
+
+def test_a_re_raised_error_keeps_its_type_and_gets_one_note() -> None:
+    error = EnvTimeoutError("no return within 0.5 s")
+    for _ in range(2):  # the same exception object failing two episodes: noted once
+        with pytest.raises(EnvTimeoutError) as raised:
+            EnvFailed(error, WHERE).reraise()
+    assert raised.value is error and str(error) == "no return within 0.5 s"
+    assert error.__notes__ == [f"rollpipe: raised in {WHERE}; raise env_timeout_s or fix the env"]
