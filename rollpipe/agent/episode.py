@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -57,6 +58,12 @@ from rollpipe.envs.base import is_blocking
 from rollpipe.envs.metrics import aggregate_metrics, step_metrics
 
 T = TypeVar("T")
+_log = logging.getLogger(__name__)
+
+SLOW_INLINE_S = 0.05
+"""An inline (``blocking = False``) env call longer than this is reported, once per class:
+the grid envs take microseconds, and every episode waits while one runs."""
+_SLOW_INLINE_REPORTED: set[type] = set()
 OnLength = Literal["step", "skip", "end"]
 ON_LENGTH: tuple[str, ...] = ("step", "skip", "end")
 DEFAULT_LENGTH_PENALTY = -0.1
@@ -131,11 +138,22 @@ class _EnvCaller:
             raise EnvTimeoutError(f"no return within {self.timeout} s") from None
 
     def _check_inline_time(self, elapsed: float) -> None:
+        cls = type(self.env)
         if self.timeout is not None and elapsed > self.timeout:
             raise EnvTimeoutError(
                 f"took {elapsed:.2f} s inline on the event loop (over {self.timeout} s), "
-                f"stalling every episode: {type(self.env).__name__} declares blocking = False; "
+                f"stalling every episode: {cls.__qualname__} declares blocking = False; "
                 "remove that declaration so its calls run on env threads"
+            )
+        if elapsed > SLOW_INLINE_S and cls not in _SLOW_INLINE_REPORTED:
+            _SLOW_INLINE_REPORTED.add(cls)
+            _log.warning(
+                "%s.%s declares blocking = False but one call took %.3f s inline on the "
+                "event loop, stalling every episode and the engine meanwhile; remove that "
+                "declaration so its calls run on env threads (reported once per class)",
+                cls.__module__,
+                cls.__qualname__,
+                elapsed,
             )
 
 
