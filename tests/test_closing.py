@@ -32,10 +32,12 @@ class GatedLake(FrozenLake):
     hold: ClassVar[threading.Event] = threading.Event()
     release: ClassVar[threading.Event] = threading.Event()
     entered: ClassVar[threading.Event] = threading.Event()
+    blocked: ClassVar[threading.Event] = threading.Event()  # a step waits for release
 
     def step(self, action_text: str):
         GatedLake.entered.set()
         if GatedLake.hold.is_set():
+            GatedLake.blocked.set()
             GatedLake.release.wait(30)
         return super().step(action_text)
 
@@ -48,6 +50,7 @@ def gated():
     GatedLake.hold.clear()
     GatedLake.release.clear()
     GatedLake.entered.clear()
+    GatedLake.blocked.clear()
     yield GatedLake
     GatedLake.release.set()
 
@@ -200,8 +203,7 @@ def test_close_with_an_env_step_in_flight(tiny_model_path, tokenizer, gated, env
     pipe = RolloutPipeline(config(env_workers=env_workers), engine, tokenizer)
     gated.hold.set()
     waiter = Waiter(pipe)
-    assert gated.entered.wait(30)
-    time.sleep(0.05)  # the step is now blocked in the env
+    assert gated.blocked.wait(30)  # the step is now blocked in the env
     assert timed_close(pipe) < PROMPT_S
     assert isinstance(waiter.woken(), RuntimeClosedError)
     gated.release.set()

@@ -23,6 +23,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from waiting import holds_for_async, wait_until, wait_until_async
 
 from rollpipe.engines import EngineError, Generation, SamplingParams
 from rollpipe.engines.server import ServerEngine, ServerProcess, free_port, start_vllm_server
@@ -123,6 +124,23 @@ def running_on_server(server: ServerProcess) -> float:
     return sum(gauges)
 
 
+def server_counter(server: ServerProcess, name: str) -> float:
+    """One of vLLM's counters on the server (``vllm:prompt_tokens``: the prompt tokens of
+    every request that has produced its first token), summed over its label sets."""
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in server_get(server, "/metrics").splitlines()
+        if line.startswith(f"{name}_total{{")
+    ]
+    assert values, f"the server reports no {name}: are its stats off?"
+    return sum(values)
+
+
+def server_idle(server: ServerProcess) -> None:
+    """Wait until the server runs no request (it aborts one once its client left)."""
+    wait_until(lambda: running_on_server(server) == 0, 30, "the server to be idle", 0.1)
+
+
 def finished_early(gens: list[Generation], n: int) -> list[Generation]:
     """The generations that ran to ``n`` tokens before the pause landed. On 2 busy cores
     vLLM's API server sometimes admits a burst of requests only as the first ones finish
@@ -133,14 +151,19 @@ def finished_early(gens: list[Generation], n: int) -> list[Generation]:
     return done
 
 
-async def start_then_probe(
-    engine: ServerEngine, prompts: list[list[int]], params: SamplingParams
+async def start_running(
+    engine: ServerEngine, server: ServerProcess, prompts: list[list[int]], params: SamplingParams
 ) -> list[asyncio.Task[Generation]]:
-    """Submit ``prompts``, then return once a 3-token probe is done: every request has
-    reached the server and produced tokens."""
+    """Submit ``prompts``; return once every one has produced its first token on the
+    server (vLLM's prompt-token counter grew by all their prompts)."""
+    want = server_counter(server, "vllm:prompt_tokens") + sum(len(p) for p in prompts)
     tasks = [asyncio.ensure_future(engine.generate(p, params)) for p in prompts]
-    await asyncio.sleep(0.05)
-    await engine.generate(prompts[0], params.replace(max_tokens=3))
+    await wait_until_async(
+        lambda: server_counter(server, "vllm:prompt_tokens") >= want,
+        120,
+        f"the first token of each of {len(prompts)} requests",
+        0.05,
+    )
     return tasks
 
 
@@ -227,22 +250,29 @@ def test_pipeline_yields_whole_batches(
 
 # -- pause, resume, weights --------------------------------------------------------------
 def test_pause_keep_then_update_weights_then_resume(
-    engine: ServerEngine, hf_model: Any, tokenizer: Any, restore_weights: None
+    engine: ServerEngine,
+    server: ServerProcess,
+    hf_model: Any,
+    tokenizer: Any,
+    restore_weights: None,
 ) -> None:
     prompts = [tokenizer(f"Turn {i}: P_O_G")["input_ids"] for i in range(16)]
-    # 1900 tokens: far longer than the probe and the pause take (CI once finished a
+    # 1900 tokens: far longer than the first tokens and the pause take (CI once finished a
     # request of 300 tokens before the pause landed)
     n = 1900
     params = SamplingParams(max_tokens=n, temperature=1.0, seed=3, ignore_eos=True)
     v0 = engine.version
 
     async def main() -> tuple[list[Generation], int]:
-        tasks = await start_then_probe(engine, prompts, params)
+        tasks = await start_running(engine, server, prompts, params)
         await asyncio.to_thread(engine.pause, "keep")
         assert engine.is_paused
         done_at_pause = sum(t.done() for t in tasks)  # see finished_early
-        await asyncio.sleep(0.5)
-        assert sum(t.done() for t in tasks) == done_at_pause, "completed while paused"
+        await holds_for_async(
+            lambda: sum(t.done() for t in tasks) == done_at_pause,
+            0.5,
+            "nothing completes while paused",
+        )
         perturb(hf_model, seed=2)
         assert await asyncio.to_thread(engine.update_weights, hf_model) == v0 + 1
         await asyncio.to_thread(engine.resume)
@@ -266,16 +296,17 @@ def test_pause_abort_returns_partial_tokens_and_holds_new_requests(
     v = engine.version
 
     async def main() -> tuple[list[Generation], Generation]:
-        # 32 requests of up to 1900 tokens: far longer than the probe and the pause take,
-        # even on an idle machine (4 x 1000 tokens finished before the pause once)
-        tasks = await start_then_probe(engine, prompts * 8, LONG.replace(max_tokens=1900))
+        # 32 requests of up to 1900 tokens: far longer than the first tokens and the pause
+        # take, even on an idle machine (4 x 1000 tokens finished before the pause once)
+        tasks = await start_running(engine, server, prompts * 8, LONG.replace(max_tokens=1900))
         await asyncio.to_thread(engine.pause, "abort")
         try:
             gens = list(await asyncio.wait_for(asyncio.gather(*tasks), 30))
             assert json.loads(server_get(server, "/is_paused"))["is_paused"] is True
             later = asyncio.ensure_future(engine.generate(prompts[0], GREEDY))
-            await asyncio.sleep(0.3)
-            assert not later.done(), "a request ran while paused"
+            await holds_for_async(
+                lambda: not later.done(), 0.3, "a request sent while paused does not run"
+            )
         finally:  # never leave the module's server paused for the next tests
             await asyncio.to_thread(engine.resume)
         return gens, await asyncio.wait_for(later, 60)
@@ -295,18 +326,18 @@ def test_pause_abort_returns_partial_tokens_and_holds_new_requests(
 
 
 def test_pause_wait_drains_in_flight_requests(
-    engine: ServerEngine, prompts: list[list[int]]
+    engine: ServerEngine, server: ServerProcess, prompts: list[list[int]]
 ) -> None:
     params = GREEDY.replace(max_tokens=200, ignore_eos=True)
 
     async def main() -> list[Generation]:
-        tasks = [asyncio.ensure_future(engine.generate(p, params)) for p in prompts]
-        await asyncio.sleep(0.05)
+        tasks = await start_running(engine, server, prompts, params)
         await asyncio.to_thread(engine.pause, "wait")
-        await asyncio.sleep(0.05)  # let the completed futures' callbacks run here
-        assert all(t.done() for t in tasks)
+        assert engine.is_paused
+        # still paused: they can only finish because the pause waited for them
+        gens = await asyncio.wait_for(asyncio.gather(*tasks), 30)
         await asyncio.to_thread(engine.resume)
-        return [t.result() for t in tasks]
+        return list(gens)
 
     for g in asyncio.run(main()):
         assert len(g.token_ids) == 200 and g.finish_reason == "length"
@@ -349,12 +380,14 @@ def test_without_server_control_keep_and_weights_are_not_supported(
         assert shared.version == 0
 
         async def main() -> tuple[list[Generation], Generation]:
-            tasks = await start_then_probe(shared, prompts * 8, LONG.replace(max_tokens=1900))
+            long = LONG.replace(max_tokens=1900)
+            tasks = await start_running(shared, server, prompts * 8, long)
             await asyncio.to_thread(shared.pause, "abort")  # client side: connections closed
             gens = list(await asyncio.wait_for(asyncio.gather(*tasks), 30))
             later = asyncio.ensure_future(shared.generate(prompts[0], GREEDY))
-            await asyncio.sleep(0.3)
-            assert not later.done()
+            await holds_for_async(
+                lambda: not later.done(), 0.3, "a request sent while paused does not run"
+            )
             await asyncio.to_thread(shared.resume)
             return gens, await asyncio.wait_for(later, 60)
 
@@ -365,10 +398,7 @@ def test_without_server_control_keep_and_weights_are_not_supported(
         assert {g.finish_reason for g in aborted} == {"abort"}
         check_generation(later, 12, 0)
     assert json.loads(server_get(server, "/is_paused"))["is_paused"] is False
-    deadline = time.monotonic() + 10  # the server aborts a request once its client left
-    while running_on_server(server) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert running_on_server(server) == 0
+    server_idle(server)  # the server aborts a request once its client left
 
 
 def test_cancelled_request_is_aborted_on_the_server(
@@ -377,9 +407,8 @@ def test_cancelled_request_is_aborted_on_the_server(
     huge = LONG.replace(max_tokens=1800)
 
     async def main() -> list[Generation]:
-        doomed = asyncio.ensure_future(engine.generate(prompts[0], huge))
+        (doomed,) = await start_running(engine, server, prompts[:1], huge)
         others = [asyncio.ensure_future(engine.generate(p, GREEDY)) for p in prompts]
-        await asyncio.sleep(0.2)
         doomed.cancel()
         with pytest.raises(asyncio.CancelledError):
             await doomed
@@ -387,10 +416,7 @@ def test_cancelled_request_is_aborted_on_the_server(
 
     for g in asyncio.run(main()):
         check_generation(g, 12, engine.version)
-    deadline = time.monotonic() + 10
-    while running_on_server(server) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert running_on_server(server) == 0
+    server_idle(server)
 
 
 # -- errors ------------------------------------------------------------------------------
@@ -423,9 +449,15 @@ def test_server_death_fails_requests_and_close_leaves_nothing(
     engine = ServerEngine(server.url)
     members = server.members()
     assert len(members) >= 3  # API server, engine core, worker
+    want = server_counter(server, "vllm:prompt_tokens") + sum(len(p) for p in prompts)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(engine.generate_batch, prompts, LONG.replace(max_tokens=1800))
-        time.sleep(0.3)
+        wait_until(
+            lambda: server_counter(server, "vllm:prompt_tokens") >= want,
+            120,
+            "the requests to run on the server",
+            0.05,
+        )
         os.kill(server.pid, signal.SIGKILL)  # the API server crashes; its children linger
         started = time.perf_counter()
         with pytest.raises(EngineError, match=f"{server.url}.*unreachable"):

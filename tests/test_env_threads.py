@@ -61,7 +61,7 @@ def test_time_queued_does_not_count_against_the_limit() -> None:
     threads = EnvThreads(1, "test-env")
 
     async def main() -> list[object]:
-        slow = threads.call(time.sleep, 0.3, timeout=1.0)
+        slow = threads.call(time.sleep, 0.3, timeout=30)  # 0.3 s of work; 30 s: a deadline
         queued = threads.call(lambda: "ok", timeout=0.1)  # waits 0.3 s in the queue
         return list(await asyncio.gather(slow, queued))
 
@@ -78,8 +78,14 @@ def test_a_lease_gives_the_env_back_only_once_its_call_returned() -> None:
         back = asyncio.Event()
         lease = EnvLease(lambda: (given_back.append(time.monotonic()), back.set()))
         lease.call_started()
-        task = asyncio.ensure_future(threads.call(release.wait, 5, on_return=lease.call_returned))
-        await asyncio.sleep(0.05)
+        entered = threading.Event()
+
+        def env_call() -> None:
+            entered.set()
+            release.wait(30)
+
+        task = asyncio.ensure_future(threads.call(env_call, on_return=lease.call_returned))
+        assert await asyncio.to_thread(entered.wait, 30)
         task.cancel()  # the episode is cancelled while the call runs
         lease.end()
         assert given_back == []  # not reusable yet: a thread is still inside it
@@ -92,17 +98,26 @@ def test_a_lease_gives_the_env_back_only_once_its_call_returned() -> None:
 
 
 @settings(max_examples=25, deadline=None)
-@given(durations=st.lists(st.sampled_from([0.0, 0.001, 0.3]), min_size=1, max_size=6))
-def test_every_call_either_returns_or_times_out(durations: list[float]) -> None:
+@given(calls=st.lists(st.sampled_from([0.0, 0.001, "hang"]), min_size=1, max_size=6))
+def test_every_call_either_returns_or_times_out(calls: list[float | str]) -> None:
+    """Quick calls return (their limit is a deadline) even behind hung ones; a call that
+    hangs (it waits until the test ends) times out after its 0.1 s limit."""
     threads = EnvThreads(2, "test-env")
+    release = threading.Event()
 
     async def main() -> list[object]:
-        calls = [threads.call(time.sleep, d, timeout=0.1) for d in durations]
-        return list(await asyncio.gather(*calls, return_exceptions=True))
+        waits = [
+            threads.call(release.wait, 30, timeout=0.1)
+            if c == "hang"
+            else threads.call(time.sleep, c, timeout=30)
+            for c in calls
+        ]
+        return list(await asyncio.gather(*waits, return_exceptions=True))
 
     results = asyncio.run(main())
-    for d, r in zip(durations, results, strict=True):
-        assert (r is None) if d < 0.1 else isinstance(r, EnvTimeoutError)
+    release.set()
+    for c, r in zip(calls, results, strict=True):
+        assert isinstance(r, EnvTimeoutError) if c == "hang" else r is None
     threads.close(1.0)
     for t in workers():
         t.join(2)

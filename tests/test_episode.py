@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from typing import Any
 
 import pytest
 import torch
+from waiting import wait_until
 
 from rollpipe._utils.seeding import derive_seed
 from rollpipe.agent.chat import ChatFormat
@@ -398,11 +398,13 @@ def test_abort_regenerates_the_same_turn(hf_engine: Any, tokenizer: Any) -> None
     control = RolloutControl()
     calls = 0
 
+    start = hf_engine.tokens_generated
+    n = 800  # of max_length 1024: far more steps than the abort takes to land
+
     def suspend_and_resume() -> None:
-        time.sleep(0.1)  # the request is in flight (200 tokens take about 1 s)
+        wait_until(lambda: hf_engine.tokens_generated > start, 60, "the request's first token")
         control.close()
-        hf_engine.pause("abort")
-        time.sleep(0.05)
+        hf_engine.pause("abort")  # returns once the request ended with "abort"
         hf_engine.resume()
         control.open()
 
@@ -413,7 +415,7 @@ def test_abort_regenerates_the_same_turn(hf_engine: Any, tokenizer: Any) -> None
             threading.Thread(target=suspend_and_resume, daemon=True).start()
         await control.admit()
 
-    params = SAMPLING.replace(max_tokens=200, ignore_eos=True)
+    params = SAMPLING.replace(max_tokens=n, ignore_eos=True)
     t = run(
         run_episode(
             spec(),
@@ -428,8 +430,8 @@ def test_abort_regenerates_the_same_turn(hf_engine: Any, tokenizer: Any) -> None
         )
     )
     assert calls == 2  # admitted again before the regeneration
-    assert len(t.turns) == 1 and len(t.turns[0].response_ids) == 200
-    assert 0 < t.aborted_tokens < 200  # the partial turn thrown away, counted
+    assert len(t.turns) == 1 and len(t.turns[0].response_ids) == n
+    assert 0 < t.aborted_tokens < n  # the partial turn thrown away, counted
     assert t.turns[0].finish_reason == "length"
 
 

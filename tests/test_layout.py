@@ -1,5 +1,5 @@
 """The package's layout rules, checked on the source: no import cycles, no module over 400
-lines, no polling loops."""
+lines, no polling loops; and the suite's: no test that waits by sleeping."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "rollpipe"
+TESTS = Path(__file__).resolve().parent
 MAX_LINES = 400
 
 
@@ -233,6 +234,116 @@ def test_external_waits_are_only_those_listed() -> None:
         and any(f.lineno <= line <= (f.end_lineno or f.lineno) for line in lines)
     }
     assert functions == {"close", "_wait_ready"}, functions
+
+
+WORK_MARK = "# work, not a wait"
+WAIT_HELPERS = TESTS / "waiting.py"
+
+
+def _fixed_duration(node: ast.Call) -> bool:
+    """A ``sleep`` call whose duration is a non-zero number literal or a CONSTANT name."""
+    args = [*node.args, *(k.value for k in node.keywords)]
+    if not args:
+        return False
+    arg = args[0]
+    if isinstance(arg, ast.Constant):
+        return isinstance(arg.value, (int, float)) and arg.value != 0
+    return isinstance(arg, ast.Name) and arg.id.isupper()
+
+
+def _timed_sleeps(source: str) -> list[tuple[int, str]]:
+    """Sleeps in test code that wait instead of being work: ``(line, call)`` each.
+
+    A test that sleeps to let something happen ("the request is in flight", "the pause
+    has landed", "the callbacks ran") and then asserts guesses how fast the machine is:
+    too fast and the work is already over, too loaded and it has not started. Tests wait
+    for the state itself with ``tests/waiting.py`` (``wait_until``: a deadline, not a
+    duration; ``holds_for``: an invariant that must hold however long one looks).
+
+    Flagged: every call of a function named ``sleep`` (``time.sleep``, ``asyncio.sleep``,
+    a bare ``sleep``) whose duration is fixed (a non-zero number literal or an UPPER_CASE
+    name), anywhere in a test module, at any depth. Not flagged:
+
+    * ``sleep(0)``: it yields to the event loop and waits for nothing.
+    * ``tests/waiting.py`` itself (not scanned): its sleeps pace check-again loops that
+      end at a deadline or check an invariant.
+    * A sleep that *is* the work of a stand-in (an env whose ``step`` hangs or is slow, a
+      coroutine that must not answer in time), marked with a trailing
+      ``# work, not a wait``. The mark counts only inside a class or a function that is
+      not itself a test (``test*``): in a test's own body or at module level a sleep can
+      only be a wait.
+    * A computed duration (``sleep(delay)``, a point in time a hypothesis test draws):
+      the test chose to vary it, and its assertions hold for every value.
+    * ``sleep`` passed as a function (``threads.call(time.sleep, 0.3)``): that is an env
+      call's work, not a wait of the test.
+    """
+    lines = source.splitlines()
+    found: list[tuple[int, str]] = []
+
+    def visit(node: ast.AST, scopes: tuple[ast.AST, ...]) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            scopes = (*scopes, node)
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name == "sleep" and _fixed_duration(node):
+                inner = scopes[-1] if scopes else None
+                stand_in = inner is not None and not (
+                    isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    and inner.name.startswith("test")
+                )
+                end = node.end_lineno or node.lineno
+                marked = lines[end - 1].rstrip().endswith(WORK_MARK)
+                if not (stand_in and marked):
+                    found.append((node.lineno, ast.unparse(node)))
+        for child in ast.iter_child_nodes(node):
+            visit(child, scopes)
+
+    visit(ast.parse(source), ())
+    return sorted(found)
+
+
+def test_the_sleep_check_flags_waits_only() -> None:
+    src = """
+import asyncio, time
+
+def test_waits():
+    task = start()
+    time.sleep(0.3)
+    assert not task.done()
+    await asyncio.sleep(0)
+    sleep(1)  # work, not a wait
+    time.sleep(POLL_S)
+    time.sleep(delay)
+    threads.call(time.sleep, 0.3)
+
+    class HangingEnv:
+        def step(self, action):
+            time.sleep(60)  # work, not a wait
+            time.sleep(60)
+
+    async def never_answers():
+        await asyncio.sleep(10)  # work, not a wait
+
+def helper():
+    time.sleep(0.05)
+
+time.sleep(1)  # work, not a wait
+"""
+    assert [line for line, _ in _timed_sleeps(src)] == [6, 9, 10, 17, 23, 25]
+
+
+def test_no_test_waits_by_sleeping() -> None:
+    """No test decides an outcome by sleeping (see ``_timed_sleeps``)."""
+    found = {
+        str(path.relative_to(TESTS)): hits
+        for path in sorted(TESTS.rglob("*.py"))
+        if path != WAIT_HELPERS and (hits := _timed_sleeps(path.read_text()))
+    }
+    assert not found, (
+        "tests that sleep to let something happen (wait for the state with "
+        f"tests/waiting.py, or mark a stand-in's work with {WORK_MARK!r}): {found}"
+    )
 
 
 def test_every_public_name_resolves():

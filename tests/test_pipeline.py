@@ -324,15 +324,13 @@ def test_close_leaves_no_threads_behind(vllm_engine, tokenizer):
 def test_collection_continues_between_batches(vllm_engine, tokenizer):
     """With ``async_generation_ratio=1`` the next batch's episodes run in the background
     while the trainer works on this one."""
-    import time
+    from waiting import wait_until
 
     cfg = config(num_groups=4, concurrency=4, max_turns=1, async_generation_ratio=1)
     with RolloutPipeline(cfg, vllm_engine, tokenizer) as pipe:
         pipe.get_batch()
-        deadline = time.monotonic() + 60
-        while pipe.nodes.rollout.num_buffered < 4 and time.monotonic() < deadline:
-            time.sleep(0.1)  # "training": nobody asks for data
-        assert pipe.nodes.rollout.num_buffered >= 4
+        # "training": nobody asks for data, yet the next batch's episodes finish
+        wait_until(lambda: pipe.nodes.rollout.num_buffered >= 4, 60, "episodes collected")
         assert len(pipe.get_batch()) == 8
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from waiting import wait_until
 
 from rollpipe.data.proto import DataProto
 from rollpipe.engines.pool import EnginePool
@@ -78,11 +78,8 @@ def hf_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def wait_until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.005)
+def rank_1_busy(pool: EnginePool) -> Callable[[], bool]:
+    return lambda: any(load.rank == 1 and load.requests for load in pool.loads())
 
 
 def response_versions(batch: DataProto) -> set[int]:
@@ -144,12 +141,13 @@ def test_shrink_mid_batch_then_update_and_expand(
     """ROLL's partial-GPU step: shrink while a batch is being generated (suspended in
     ``mode`` or running), update the weights, expand back; the batch stays whole, its
     tokens are all of the new weights, and greedy outputs equal transformers'."""
-    cfg = CONFIG.replace(sampling={"max_tokens": 64, "ignore_eos": True}, seed=7)
+    cfg = CONFIG.replace(sampling={"max_tokens": 400, "ignore_eos": True}, seed=7)
     with RolloutPipeline(cfg, fresh, tokenizer) as pipe:
         first = pipe.get_batch()
         rerouted = fresh.rerouted
         thread, out = in_background(pipe.get_batch)
-        wait_until(lambda: any(load.rank == 1 and load.requests for load in fresh.loads()))
+        # 400 tokens a turn (of max_length 512): far more steps than the next call takes
+        wait_until(rank_1_busy(fresh), 30, "a request on rank 1")
         if mode is not None:
             pipe.suspend(mode)
         shrunk = pipe.shrink_sampler([1])
@@ -242,10 +240,11 @@ def test_shrinking_a_rank_already_out_is_an_error(fresh: EnginePool) -> None:
 def test_a_rank_whose_engine_dies_is_taken_out_and_its_requests_rerouted(
     fresh: EnginePool, tokenizer: Any
 ) -> None:
-    cfg = CONFIG.replace(sampling={"max_tokens": 64, "ignore_eos": True}, seed=9)
+    cfg = CONFIG.replace(sampling={"max_tokens": 400, "ignore_eos": True}, seed=9)
     with RolloutPipeline(cfg, fresh, tokenizer) as pipe:
         thread, out = in_background(pipe.get_batch)
-        wait_until(lambda: any(load.rank == 1 and load.requests for load in fresh.loads()))
+        # 400 tokens a turn (of max_length 512): far more steps than the next call takes
+        wait_until(rank_1_busy(fresh), 30, "a request on rank 1")
         dying = fresh.engine(1)
         assert dying is not None
         dying.close()  # behind the pool's back, mid-request

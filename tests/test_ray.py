@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from waiting import wait_until
 
 from rollpipe.engines.pool import EnginePool
 from rollpipe.engines.ray_engine import RayEngine, ray_pool
@@ -62,12 +63,13 @@ def gone(pid: int, timeout: float = 30.0) -> bool:
     """Whether the actor's process ends within ``timeout`` (Ray kills it on ray.kill)."""
     import psutil
 
-    deadline = time.monotonic() + timeout
-    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
+    def ended() -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    return wait_until(ended, timeout, f"the actor's process {pid} to end")
 
 
 def test_pipeline_on_ray_engines_matches_the_in_process_engine(
@@ -123,10 +125,11 @@ def test_a_killed_actor_loses_no_trajectory_and_is_reported(
         out: dict[str, Any] = {}
         thread = threading.Thread(target=lambda: out.update(batch=pipe.get_batch()))
         thread.start()
-        deadline = time.monotonic() + 60
-        while not any(load.rank == 1 and load.requests for load in pool.loads()):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(
+            lambda: any(load.rank == 1 and load.requests for load in pool.loads()),
+            60,
+            "a request on rank 1",
+        )
         victim = pool.engine(1)
         assert isinstance(victim, RayEngine)
         killed = time.monotonic()

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from torchdata.nodes import Loader, Mapper
+from waiting import wait_until
 
 from rollpipe.agent.chat import ChatFormat
 from rollpipe.envs import FrozenLake, make, register
@@ -76,7 +77,7 @@ class HangingLake(FrozenLake):
     """FrozenLake whose ``step`` never answers in time."""
 
     def step(self, action_text: str) -> Any:
-        time.sleep(60)
+        time.sleep(60)  # work, not a wait
         return super().step(action_text)
 
 
@@ -101,12 +102,14 @@ def cluster() -> Iterator[None]:
 
 def gone(pid: int, timeout: float = 30.0) -> bool:
     """Whether process ``pid`` ends within ``timeout`` (Ray kills actors asynchronously)."""
-    deadline = time.monotonic() + timeout
-    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
+
+    def ended() -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    return wait_until(ended, timeout, f"process {pid} to end")
 
 
 def run_chain(

@@ -10,6 +10,7 @@ import time
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from waiting import wait_until
 
 from rollpipe.runtime import Gate, Runtime, RuntimeClosedError, Signal
 
@@ -52,7 +53,7 @@ def test_a_coroutines_own_timeout_error_is_not_mistaken_for_the_wait(runtime):
         raise EnvTimedOut("the env's own")
 
     async def slow():
-        await asyncio.sleep(10)
+        await asyncio.Event().wait()  # never set: no result, however long the wait
 
     scope = runtime.scope("caller")
     for timeout in (None, 5.0):
@@ -155,7 +156,11 @@ def test_gate_wakes_threads_and_coroutines_on_any_loop(runtime):
 
     other = threading.Thread(target=lambda: asyncio.run(foreign()))
     other.start()
-    time.sleep(0.05)  # let all three start waiting (a test, not a poll)
+    # all three are waiting: two coroutines registered with the gate, one thread on its
+    # condition (a closed gate wakes nobody, however long they wait)
+    wait_until(
+        lambda: len(gate._waiters) == 2 and len(gate._cond._waiters) == 1, 30, "three waiters"
+    )
     assert woke == []
     gate.open()
     thread.join(2)

@@ -28,24 +28,29 @@ T = TypeVar("T")
 CHECK_S = 0.005  # how often a predicate is checked again (latency, not a guess)
 
 
-def wait_until(predicate: Callable[[], T], timeout_s: float, what: str) -> T:
+def wait_until(
+    predicate: Callable[[], T], timeout_s: float, what: str, check_s: float = CHECK_S
+) -> T:
     """Return ``predicate()``'s first truthy value; raise ``AssertionError`` naming
-    ``what`` if none comes within ``timeout_s`` (a deadline, not an expected duration)."""
+    ``what`` if none comes within ``timeout_s`` (a deadline, not an expected duration).
+    ``check_s`` paces the checks (raise it for a costly predicate, e.g. an HTTP call)."""
     deadline = time.monotonic() + timeout_s
     while not (value := predicate()):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(CHECK_S)
+        time.sleep(check_s)
     return value
 
 
-async def wait_until_async(predicate: Callable[[], T], timeout_s: float, what: str) -> T:
+async def wait_until_async(
+    predicate: Callable[[], T], timeout_s: float, what: str, check_s: float = CHECK_S
+) -> T:
     """``wait_until`` for a coroutine: the event loop keeps running between checks."""
     deadline = time.monotonic() + timeout_s
     while not (value := predicate()):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(CHECK_S)
+        await asyncio.sleep(check_s)
     return value
 
 
