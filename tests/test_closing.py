@@ -27,7 +27,11 @@ PROMPT_S = 1.0  # "returns within a second"
 
 
 class GatedLake(FrozenLake):
-    """FrozenLake whose ``step`` blocks while ``GatedLake.hold`` is set (a hung env)."""
+    """FrozenLake whose ``step`` blocks while ``GatedLake.hold`` is set (a hung env).
+    Declared inline, as FrozenLake is (not inherited): ``env_workers=0`` runs it on the
+    loop, ``env_workers > 0`` on the env pool."""
+
+    blocking = False
 
     hold: ClassVar[threading.Event] = threading.Event()
     release: ClassVar[threading.Event] = threading.Event()

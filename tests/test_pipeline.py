@@ -335,8 +335,10 @@ def test_collection_continues_between_batches(vllm_engine, tokenizer):
 
 
 class ThreadNotingLake(FrozenLake):
-    """FrozenLake that notes which thread ran each of its calls."""
+    """FrozenLake that notes which thread ran each of its calls (declared inline, like
+    FrozenLake: the declaration is not inherited)."""
 
+    blocking = False
     threads: ClassVar[set[str]] = set()
 
     def reset(self, seed: int):
