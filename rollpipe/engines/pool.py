@@ -21,7 +21,9 @@ The pool is an ``Engine`` itself, so every stage and the pipeline use it unchang
 
 Requests run on the pool's own runtime (where a ``Rollout`` runs its episodes) and reach
 each rank's engine through that engine's runtime. Control calls block their caller and
-run one at a time; they may come from any thread while requests are in flight.
+run one at a time, under the pool's lock; they may come from any thread while requests are
+in flight. The pool's version, pause mode, interruptions and closing are an ``EngineState``
+(``state.py``), the same rules as each ``BaseEngine``'s.
 """
 
 from __future__ import annotations
@@ -38,15 +40,21 @@ import torch
 from rollpipe._utils.checks import check_int
 from rollpipe.engines.inputs import PromptIds, check_prompt, named_tensors
 from rollpipe.engines.pool_ranks import Rank, RankTable, check_devices, pool_devices
-from rollpipe.engines.protocol import PAUSE_MODES, Engine, PauseMode, WeightsLike
+from rollpipe.engines.protocol import Engine, PauseMode, WeightsLike
 from rollpipe.engines.records import EngineClosedError, EngineError, Generation, SamplingParams
 from rollpipe.engines.routing import RankLoad, Router, Session, current_session, make_router
+from rollpipe.engines.state import (
+    EngineState,
+    EngineStateView,
+    check_new_version,
+    check_pause_mode,
+)
 from rollpipe.runtime import Runtime
 
 __all__ = ["EnginePool"]
 
 
-class EnginePool:
+class EnginePool(EngineStateView):
     """``num_engines`` engines made by ``make_engine(rank)``, behind one ``Engine``.
 
     ``devices[i]`` lists rank ``i``'s device ids (default ``[i]``); ``router`` is a name
@@ -79,11 +87,9 @@ class EnginePool:
                 engine.close()
             raise
         ranks = [Rank(i, device_sets[i], e) for i, e in enumerate(engines)]
-        self._table = RankTable(ranks, chosen_router, routing_log_size)
+        self._state = EngineState("EnginePool", version=versions[0], noun="pool")
+        self._table = RankTable(ranks, chosen_router, routing_log_size, self._state)
         self._all_devices = frozenset().union(*device_sets)
-        self._version = versions[0]
-        self._pause_mode: PauseMode | None = None
-        self._interruptions = 0  # pauses, resumes and weight updates so far
         self._weights: list[tuple[str, torch.Tensor]] | None = None  # CPU copy, for expand
         self._control = threading.Lock()  # one pause / resume / update / shrink / expand
         self._runtime = Runtime("rollpipe-engine-pool")
@@ -105,19 +111,7 @@ class EnginePool:
             raise TypeError(f"EnginePool: make_engine({index}) returned {engine!r}, not an Engine")
         return engine
 
-    # -- state ---------------------------------------------------------------------------
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @property
-    def is_paused(self) -> bool:
-        return self._pause_mode is not None
-
-    @property
-    def interruptions(self) -> int:
-        return self._interruptions
-
+    # -- state (version, pause_mode, closed, ...: EngineStateView) ----------------------
     @property
     def runtime(self) -> Runtime:
         """The pool's event loop: episodes run here and reach each rank's engine from it."""
@@ -156,15 +150,11 @@ class EnginePool:
         """Ranks taken out because their engine failed, with the error."""
         return {r.index: r.error for r in self._table.ranks if r.error is not None}
 
-    def _check_open(self) -> None:
-        if self._table.closed:
-            raise EngineClosedError("EnginePool is closed; create a new pool to generate again")
-
     # -- requests --------------------------------------------------------------------------
     async def generate(self, prompt_ids: PromptIds, params: SamplingParams) -> Generation:
         """Route one request; re-send it if its rank leaves the pool before it finishes."""
         prompt = check_prompt(prompt_ids)  # each rank checks the ids against its vocabulary
-        self._check_open()
+        self._state.check_open()
         session = current_session()  # read in the caller's task, before any hop
         return await self._scope.run(self._generate(prompt, params, session))
 
@@ -174,7 +164,7 @@ class EnginePool:
         if self._runtime.in_loop():
             raise EngineError("generate_batch blocks; do not call it on the pool's own loop")
         checked = [check_prompt(p) for p in prompts]
-        self._check_open()
+        self._state.check_open()
         futures = [self._scope.submit(self._generate(p, params, None)) for p in checked]
         return [f.result() for f in futures]
 
@@ -200,47 +190,41 @@ class EnginePool:
     # -- control ---------------------------------------------------------------------------
     def pause(self, mode: PauseMode = "keep") -> None:
         """Pause every active rank in ``mode`` (see ``Engine.pause``)."""
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        check_pause_mode(mode)
         with self._control:
-            self._check_open()
-            previous, self._pause_mode = self._pause_mode, mode
-            self._interruptions += 1
+            self._state.check_open()
+            was_running = self._state.pause_mode is None
             paused: list[Engine] = []
-            try:
-                for engine in self._table.active_engines():
-                    engine.pause(mode)
-                    paused.append(engine)
-            except BaseException:
-                self._pause_mode = previous
-                if previous is None:
-                    for engine in paused:
-                        with contextlib.suppress(EngineError):
-                            engine.resume()
-                raise
+            with self._state.pausing(mode):  # the previous mode comes back if this raises
+                try:
+                    for engine in self._table.active_engines():
+                        engine.pause(mode)
+                        paused.append(engine)
+                except BaseException:
+                    if was_running:
+                        for engine in paused:
+                            with contextlib.suppress(EngineError):
+                                engine.resume()
+                    raise
 
     def resume(self) -> None:
         with self._control:
-            self._check_open()
-            self._pause_mode = None
-            self._interruptions += 1
-            for engine in self._table.active_engines():
-                engine.resume()
+            self._state.check_open()
+            with self._state.resuming():
+                for engine in self._table.active_engines():
+                    engine.resume()
 
     def update_weights(self, weights: WeightsLike, version: int | None = None) -> int:
         """Load ``weights`` into every active rank (one after another) and keep a CPU copy
         for ranks that come back later; returns the pool's new version."""
-        if version is not None:
-            check_int("update_weights: version", version, 0)
+        check_new_version(version)
         named = named_tensors(weights)
         with self._control:
-            self._check_open()
-            new_version = self._version + 1 if version is None else version
-            self._interruptions += 1
-            for engine in self._table.active_engines():
-                engine.update_weights(named, version=new_version)
-            self._weights = [(name, t.to("cpu", copy=True)) for name, t in named]
-            self._version = new_version
+            self._state.check_open()
+            with self._state.updating(version) as new_version:  # stored once all loaded
+                for engine in self._table.active_engines():
+                    engine.update_weights(named, version=new_version)
+                self._weights = [(name, t.to("cpu", copy=True)) for name, t in named]
         return new_version
 
     def shrink(self, target_gpus: Iterable[int]) -> dict[str, Any]:
@@ -252,7 +236,7 @@ class EnginePool:
         """
         start = time.perf_counter()
         with self._control:
-            self._check_open()
+            self._state.check_open()
             targets = check_devices(target_gpus, self._all_devices, "shrink_sampler")
             chosen, remapped, engines = self._table.take_out(targets)
             for engine in engines:
@@ -275,7 +259,7 @@ class EnginePool:
         """
         start = time.perf_counter()
         with self._control:
-            self._check_open()
+            self._state.check_open()
             targets = check_devices(target_gpus, self._all_devices, "expand_sampler")
             chosen = self._table.to_expand(targets)
             built: list[tuple[Rank, Engine]] = []
@@ -287,8 +271,8 @@ class EnginePool:
                     engine = self._build(rank.index)
                     built.append((rank, engine))
                     self._bring_up_to_date(rank, engine, skip_load)
-                    if self._pause_mode is not None:
-                        engine.pause(self._pause_mode)
+                    if self._state.pause_mode is not None:
+                        engine.pause(self._state.pause_mode)
             except BaseException:
                 for _, engine in built:
                     _offload(engine)
@@ -302,8 +286,9 @@ class EnginePool:
         }
 
     def _bring_up_to_date(self, rank: Rank, engine: Engine, skip_load: bool) -> None:
+        version = self._state.version
         if skip_load or self._weights is None:
-            if engine.version != self._version:
+            if engine.version != version:
                 how = (
                     "expand without skip_load to load the current weights"
                     if skip_load
@@ -311,18 +296,18 @@ class EnginePool:
                 )
                 raise ValueError(
                     f"expand_sampler: {rank.describe()} is at policy version {engine.version} "
-                    f"but the pool is at {self._version}; {how}"
+                    f"but the pool is at {version}; {how}"
                 )
             return
-        engine.update_weights(self._weights, version=self._version)
+        engine.update_weights(self._weights, version=version)
 
     # -- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:
         """Close every rank's engine and the pool's runtime; waiting callers get
         EngineClosedError at once."""
-        if self._table.closed:
+        if self._state.closed:
             return
-        engines = self._table.close()
+        engines = self._table.close()  # closes the state under the table's lock
         error = EngineClosedError("EnginePool was closed")
         self._scope.close(error)
         for engine in engines:

@@ -20,6 +20,7 @@ import attrs
 from rollpipe.engines.protocol import Engine
 from rollpipe.engines.records import EngineClosedError, EngineError
 from rollpipe.engines.routing import RankLoad, Router, Session
+from rollpipe.engines.state import EngineState
 
 __all__ = [
     "Rank",
@@ -122,16 +123,23 @@ def ranks_to_expand(ranks: Sequence[Rank], targets: frozenset[int]) -> list[Rank
 
 
 class RankTable:
-    """Every rank's state, changed only under one lock; ``closed`` refuses new requests."""
+    """Every rank's state, changed only under one lock; once the pool's ``state`` is
+    closed it refuses new requests."""
 
-    def __init__(self, ranks: list[Rank], router: Router, log_size: int) -> None:
+    def __init__(
+        self, ranks: list[Rank], router: Router, log_size: int, state: EngineState
+    ) -> None:
         self.ranks = ranks
         self.router = router
-        self.closed = False
+        self.state = state
         self.lock = threading.Lock()
         self._released = threading.Condition(self.lock)  # a request left a rank
         self.routing_log: deque[tuple[Hashable | None, int]] = deque(maxlen=log_size)
         self.rerouted = 0  # requests re-sent because their rank left the pool
+
+    @property
+    def closed(self) -> bool:
+        return self.state.closed
 
     def loads(self) -> list[RankLoad]:
         with self.lock:
@@ -229,9 +237,9 @@ class RankTable:
                 rank.engine, rank.active, rank.error = engine, True, None
 
     def close(self) -> list[Engine]:
-        """Refuse new requests; the engines left to close."""
+        """Close the pool's state, refusing new requests; the engines left to close."""
         with self.lock:
-            self.closed = True
+            self.state.close()
             return [r.engine for r in self.ranks if r.engine is not None]
 
 
