@@ -441,6 +441,38 @@ def test_a_server_that_is_down_raises_promptly() -> None:
     assert time.perf_counter() - started < 5
 
 
+def test_a_stalled_weight_sync_fails_in_time_and_the_engine_is_dead(
+    server: ServerProcess, hf_model: Any
+) -> None:
+    """The server stops answering during ``update_weights`` (its API process is stopped
+    with SIGSTOP: a real stall, not a stand-in): the call fails within
+    ``update_weights_timeout_s`` naming the server and the version, and the engine is dead
+    so that no later call waits either. Its own engine, paused first so that the stalled
+    call is the reload itself; ``close()`` resumes the server once it answers again."""
+    engine = ServerEngine(server.url, update_weights_timeout_s=2)
+    engine.pause("keep")
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        started = time.perf_counter()
+        with pytest.raises(EngineError) as caught:
+            engine.update_weights(hf_model)  # the weights it has: a late reload is harmless
+        took = time.perf_counter() - started
+        message = str(caught.value)
+        assert f"ServerEngine at {server.url}" in message
+        assert "update_weights to version 1" in message
+        assert "update_weights_timeout_s=2" in message
+        assert took < 60, f"the 2 s limit was not kept ({took:.1f} s)"
+        assert not engine.alive and engine.version == 0
+        with pytest.raises(EngineError, match="died"):
+            engine.generate_batch([[1, 5, 6]], GREEDY)  # fails at once: the server is stopped
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    paused = lambda: json.loads(server_get(server, "/is_paused"))["is_paused"]  # noqa: E731
+    assert paused() is True  # answering again, still paused by this engine
+    engine.close()  # resumes the server it paused
+    assert paused() is False
+
+
 def test_server_death_fails_requests_and_close_leaves_nothing(
     server: ServerProcess, prompts: list[list[int]]
 ) -> None:

@@ -377,7 +377,7 @@ class ServerBackend:
             finally:
                 if paused_here and self.server_paused:
                     await self._server_resume()
-        except BaseException:
+        except Exception:  # not when cancelled: a stalled server may read the file later
             shutil.rmtree(target, ignore_errors=True)
             raise
 
