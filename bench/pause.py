@@ -163,7 +163,7 @@ def run(ctx: BenchContext) -> Figures:
                 f"{first_ms[-1]:.1f} ms ({first_nosync_ms[-1]:.1f} ms without a sync)"
             )
     finally:
-        if pipe.nodes.pause_controller.is_suspended:
+        if pipe.suspension.is_suspended:
             pipe.resume()
         for group in range(IN_FLIGHT // 4):
             pipe.nodes.signals.cancel_group(group)

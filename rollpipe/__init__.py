@@ -42,7 +42,7 @@ _EXPORTS: dict[str, str] = {
     "TrajectoryBatch": "rollpipe.nodes.batch",
     "Collate": "rollpipe.nodes.collate",
     "Pausable": "rollpipe.nodes.pausable",
-    "PauseController": "rollpipe.nodes.pausable",
+    "Suspension": "rollpipe.nodes.suspension",
     "PipelineConfig": "rollpipe.config",
     "PipelineNodes": "rollpipe.pipeline",
     "RolloutPipeline": "rollpipe.pipeline",
@@ -70,9 +70,10 @@ if TYPE_CHECKING:
     from rollpipe.nodes.collate import Collate
     from rollpipe.nodes.episode_source import EnvChoice, EpisodeSource
     from rollpipe.nodes.groups import GroupAssembler
-    from rollpipe.nodes.pausable import Pausable, PauseController
+    from rollpipe.nodes.pausable import Pausable
     from rollpipe.nodes.rollout import Rollout
     from rollpipe.nodes.signals import RolloutControl
+    from rollpipe.nodes.suspension import Suspension
     from rollpipe.pipeline import PipelineNodes, RolloutPipeline, build_nodes
     from rollpipe.ppo.buffer import RolloutBuffer
 

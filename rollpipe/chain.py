@@ -23,9 +23,10 @@ from rollpipe.nodes.batch import Batch
 from rollpipe.nodes.collate import Collate
 from rollpipe.nodes.episode_source import EpisodeSource
 from rollpipe.nodes.groups import GroupAssembler
-from rollpipe.nodes.pausable import Pausable, PauseController
+from rollpipe.nodes.pausable import Pausable
 from rollpipe.nodes.rollout import Rollout
 from rollpipe.nodes.signals import RolloutControl
+from rollpipe.nodes.suspension import Suspension
 
 __all__ = ["NodeHook", "PipelineNodes", "Stage", "build_nodes"]
 
@@ -37,8 +38,8 @@ NodeHook = Callable[[BaseNode[Any]], BaseNode[Any]]
 class PipelineNodes:
     """The wired stages, for users who want to hold or extend them."""
 
-    signals: RolloutControl  # admission gate, cancellations, replacements (flow upstream)
-    pause_controller: PauseController  # suspend / resume / update_weights
+    signals: RolloutControl  # cancellations, grants, replacements (flow upstream)
+    suspension: Suspension  # suspend / resume / update_weights; admission reads it
     source: EpisodeSource
     rollout: Rollout
     groups: GroupAssembler
@@ -53,9 +54,11 @@ def build_nodes(
     tokenizer: Any,
     *,
     hooks: Mapping[Stage, NodeHook] | None = None,
+    name: str = "pipeline",
 ) -> PipelineNodes:
     """Wire the standard chain. ``hooks[stage]`` wraps that stage's output node, e.g.
-    ``{"rollout": lambda n: torchdata.nodes.Mapper(n, add_reward_model_score)}``."""
+    ``{"rollout": lambda n: torchdata.nodes.Mapper(n, add_reward_model_score)}``;
+    ``name`` names the pipeline in the suspension's messages."""
     hooks = dict(hooks or {})
     unknown = sorted(set(hooks) - {"source", "rollout", "groups", "batch", "collate"})
     if unknown:
@@ -75,8 +78,8 @@ def build_nodes(
     def hooked(stage: Stage, node: BaseNode[Any]) -> BaseNode[Any]:
         return hooks[stage](node) if stage in hooks else node
 
-    signals = RolloutControl()
-    pause_controller = PauseController(engine, signals)
+    suspension = Suspension(engine, name=name)
+    signals = RolloutControl(suspension)
     chat = ChatFormat(
         tokenizer, system_prompt=config.system_prompt, history_window=config.history_window
     )
@@ -120,7 +123,13 @@ def build_nodes(
         control=signals,
         max_drops_in_a_row=config.max_drops_in_a_row,
     )
-    batch = Batch(hooked("groups", groups), config.batch_size)
+    batch = Batch(
+        hooked("groups", groups),
+        config.batch_size,
+        max_staleness=config.async_generation_ratio,
+        current_version=lambda: engine.version,
+        control=signals,
+    )
     pad_id = (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     )
@@ -133,8 +142,8 @@ def build_nodes(
     rows: BaseNode[Any] = hooked("collate", collate)
     if config.layout != "native":  # ROLL's or verl's layout, converted once per batch
         rows = Mapper(rows, methodcaller(f"to_{config.layout}"))
-    root: Pausable[DataProto] = Pausable(rows, pause_controller)
-    return PipelineNodes(signals, pause_controller, source, rollout, groups, batch, collate, root)
+    root: Pausable[DataProto] = Pausable(rows, suspension)
+    return PipelineNodes(signals, suspension, source, rollout, groups, batch, collate, root)
 
 
 def _env_factory(config: PipelineConfig) -> Any:

@@ -4,14 +4,17 @@
 
 ``build_nodes`` wires the chain functionally (and lets you insert your own nodes
 between stages); ``RolloutPipeline`` wraps it in a ``torchdata.nodes.Loader`` and adds
-ROLL's ``get_batch`` / ``suspend`` / ``resume`` and checkpointing.
+ROLL's ``get_batch`` / ``suspend`` / ``resume`` and checkpointing. Suspension is the
+chain's one ``Suspension`` (``nodes/suspension.py``); docs/pausing.md has its rules.
 """
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 import numbers
-from collections.abc import Iterable, Iterator, Mapping
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from torchdata.nodes import Loader
@@ -20,9 +23,9 @@ from rollpipe.chain import NodeHook, PipelineNodes, Stage, build_nodes
 from rollpipe.config import PipelineConfig
 from rollpipe.data.proto import DataProto
 from rollpipe.engines.pool import EnginePool
-from rollpipe.engines.protocol import Engine, PauseMode
-from rollpipe.engines.records import EngineError
+from rollpipe.engines.protocol import Engine, PauseMode, WeightsLike
 from rollpipe.nodes.closing import close_chain
+from rollpipe.nodes.suspension import DEFAULT_MODE, Suspension
 from rollpipe.runtime import RuntimeClosedError
 
 __all__ = ["NodeHook", "PipelineConfig", "PipelineNodes", "RolloutPipeline", "Stage", "build_nodes"]
@@ -40,6 +43,32 @@ def _global_step(data: DataProto | None) -> int | None:
     return int(step)
 
 
+_numbers = itertools.count(1)
+
+
+def _engine_of(engine: Engine | Callable[[], Engine]) -> tuple[Engine, bool]:
+    """``engine``, or what the zero-argument factory ``engine`` makes; True if made here."""
+    if isinstance(engine, type) or (callable(engine) and not isinstance(engine, Engine)):
+        made = engine()
+        if not isinstance(made, Engine):
+            raise TypeError(
+                f"RolloutPipeline: the engine factory {engine!r} returned "
+                f"{type(made).__name__}, not an Engine; give an engine or a zero-argument "
+                "callable returning one, e.g. functools.partial(VLLMEngine, path)"
+            )
+        return made, True
+    return engine, False
+
+
+def _tokenizer_of(tokenizer: Any) -> Any:
+    """``tokenizer``, or the one ``AutoTokenizer`` loads from the path ``tokenizer``."""
+    if isinstance(tokenizer, (str, os.PathLike)):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(os.fspath(tokenizer))
+    return tokenizer
+
+
 class RolloutPipeline:
     """Iterate it for ``DataProto`` batches; drive it like ROLL's RolloutScheduler.
 
@@ -48,23 +77,36 @@ class RolloutPipeline:
     ...     with pipe.suspended():
     ...         pipe.update_weights(policy)
 
-    The engine belongs to the caller unless ``owns_engine=True``.
+    ``engine`` is an engine, which belongs to the caller unless ``owns_engine=True``, or
+    a zero-argument factory (``functools.partial(VLLMEngine, path)``) called here, whose
+    engine the pipeline owns: the form to pass to a Ray actor, since an engine cannot be
+    pickled (docs/ray-actor.md). ``tokenizer`` is a tokenizer or a path for
+    ``AutoTokenizer.from_pretrained``. ``name`` names the pipeline in messages.
     """
 
     def __init__(
         self,
         config: PipelineConfig,
-        engine: Engine,
+        engine: Engine | Callable[[], Engine],
         tokenizer: Any,
         *,
         hooks: Mapping[Stage, NodeHook] | None = None,
         owns_engine: bool = False,
+        name: str | None = None,
     ) -> None:
         self.config = config
-        self.engine = engine
-        self.tokenizer = tokenizer
-        self.owns_engine = owns_engine
-        self.nodes = build_nodes(config, engine, tokenizer, hooks=hooks)
+        self.name = name if name is not None else f"RolloutPipeline-{next(_numbers)}"
+        self.tokenizer = _tokenizer_of(tokenizer)
+        self.engine, made = _engine_of(engine)
+        self.owns_engine = owns_engine or made
+        try:
+            self.nodes = build_nodes(
+                config, self.engine, self.tokenizer, hooks=hooks, name=self.name
+            )
+        except BaseException:
+            if made:
+                self.engine.close()
+            raise
         self._loader = Loader(self.nodes.root, restart_on_stop_iteration=False)
         self._iter: Iterator[DataProto] | None = None
         self._batches_granted = 0  # get_batch calls that granted groups (metered source)
@@ -72,11 +114,15 @@ class RolloutPipeline:
         self._expired_seen = 0  # source.expired_groups already reported in a batch
         self._exhausted = False  # the stream ended: the next get_batch(-1) starts afresh
         self._closed = False
+        self._fetching = threading.Lock()  # one get_batch (or next) at a time
 
     # -- data -------------------------------------------------------------------------
-    def _iterator(self) -> Iterator[DataProto]:
+    def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeClosedError("RolloutPipeline is closed; build a new one")
+            raise RuntimeClosedError(f"{self.name} is closed; build a new one")
+
+    def _iterator(self) -> Iterator[DataProto]:
+        self._check_open()
         if self._iter is None:
             self._iter = iter(self._loader)
         return self._iter
@@ -85,9 +131,16 @@ class RolloutPipeline:
         return self
 
     def __next__(self) -> DataProto:
-        stream = self._iterator()  # (re)started before the grant, which it must not lose
-        self._grant(self.config.batch_size, self._step + 1)
-        return self._with_expired(next(stream))
+        """The next batch of ``config.batch_size``: ``get_batch()``, but the end of a
+        finite stream raises ``StopIteration``."""
+        self._check_open()
+        self.suspension.check_holder()
+        with self._fetching:
+            self.suspension.enter_batch()
+            stream = self._iterator()  # (re)started before the grant, which it must not lose
+            self._grant(self.config.batch_size, self._step + 1)
+            self.nodes.batch.request(self.config.batch_size)
+            return self._with_expired(next(stream))
 
     def _grant(self, size: int, step: int) -> None:
         """Let the source start the groups of training ``step``: one batch of ``size``
@@ -139,10 +192,14 @@ class RolloutPipeline:
 
         Called as ROLL's ``get_batch(data, batch_size)`` (``data`` a DataProto whose
         ``meta_info["global_step"]`` is copied into the batch's meta_info) or as
-        ``get_batch(batch_size)``. Like ROLL's, it resumes a pipeline that this thread
-        suspended (another thread's suspend holds it until that thread resumes), and an
-        engine paused by another pipeline sharing it. Each ``get_batch(-1)`` after a
-        finished one starts a fresh, identical pass over the same episodes (validation).
+        ``get_batch(batch_size)``. Like ROLL's, it resumes a ``suspend()``-ed pipeline,
+        from whatever thread it is called (a Ray actor's calls run on several), and an
+        engine paused by another pipeline sharing it. A held suspension
+        (``suspend(hold=True)``, ``with suspended():``) holds it until ``resume()``: it
+        waits (logging why after a few seconds), raises at once on the holding thread,
+        and raises ``RuntimeClosedError`` if the pipeline is closed meanwhile. Calls from
+        several threads take turns. Each ``get_batch(-1)`` after a finished one starts a
+        fresh, identical pass over the same episodes (validation).
         """
         if isinstance(data, int) and not isinstance(data, bool):
             data, batch_size = None, data
@@ -162,23 +219,25 @@ class RolloutPipeline:
         if size == -1 and self.config.num_groups is None:
             raise ValueError("get_batch(-1) drains a finite source; set num_groups in the config")
         step = _global_step(data)
+        self._check_open()
+        self.suspension.check_holder()  # before taking turns: it would wait for itself
+        with self._fetching:
+            return self._fetch(size, step)
+
+    def _fetch(self, size: int, step: int | None) -> DataProto | None:
         if size == -1 and self._exhausted:
             self._fresh_pass()
-        controller = self.nodes.pause_controller
-        if controller.suspended_by_this_thread:  # ROLL's loop: suspend, update, get_batch
-            controller.resume()
-        elif not controller.is_suspended and self.engine.is_paused:
+        self.suspension.enter_batch()  # resumes a suspend(); waits out a held one
+        if not self.suspension.is_suspended and self.engine.is_paused:
             self.engine.resume()  # paused by another pipeline sharing the engine
         stream = self._iterator()  # (re)started before the grant, which it must not lose
         self._grant(size, self._step + 1 if step is None else step)
-        self.nodes.batch.num_trajectories = size
+        self.nodes.batch.request(size)
         try:
             batch = next(stream)
         except StopIteration:
             self._exhausted = True
             return None
-        finally:
-            self.nodes.batch.num_trajectories = self.config.batch_size
         if size == -1:
             self._exhausted = True
         if step is not None:
@@ -191,21 +250,35 @@ class RolloutPipeline:
         """The engine's current policy version."""
         return self.engine.version
 
-    def suspend(self, mode: PauseMode = "abort") -> None:
-        """Close admission and pause the engine. ``abort`` (default, as ROLL's suspend:
-        abort all, then wait) ends in-flight requests, whose turns are regenerated after
-        ``resume()``; ``keep`` freezes them; ``wait`` lets them finish."""
-        self.nodes.pause_controller.suspend(mode)
+    @property
+    def suspension(self) -> Suspension:
+        """The pipeline's one ``Suspension``: ``state``, ``mode``, ``held``, ``asked_by``."""
+        return self.nodes.suspension
+
+    def suspend(self, mode: PauseMode = DEFAULT_MODE, *, hold: bool = False) -> None:
+        """Close admission and pause the engine until the next ``get_batch`` (from any
+        thread) or ``resume()``; with ``hold=True`` only ``resume()`` ends it.
+
+        ``abort`` (default, as ROLL's suspend: abort all, then wait) ends in-flight
+        requests, whose turns are regenerated after resuming; ``keep`` freezes them;
+        ``wait`` lets them finish. Already suspended: the same mode is a no-op, another
+        raises ``ValueError`` (resume first). Closed: raises ``RuntimeClosedError``.
+        """
+        self.suspension.suspend(mode, hold=hold)
 
     def resume(self) -> None:
-        self.nodes.pause_controller.resume()
+        """End the suspension (held or not); a no-op when running. Closed: raises
+        ``RuntimeClosedError``."""
+        self.suspension.resume()
 
-    def suspended(self, mode: PauseMode = "abort") -> Any:
-        """Context manager: suspend on entry, resume on exit."""
-        return self.nodes.pause_controller.suspended(mode)
+    def suspended(self, mode: PauseMode = DEFAULT_MODE) -> Any:
+        """Context manager: a held suspension for the block (resumed on exit)."""
+        return self.suspension.suspended(mode)
 
-    def update_weights(self, weights: Any, version: int | None = None) -> int:
-        return self.nodes.pause_controller.update_weights(weights, version=version)
+    def update_weights(self, weights: WeightsLike, version: int | None = None) -> int:
+        """Load ``weights`` into the engine; returns the new version. Closed: raises
+        ``RuntimeClosedError`` and leaves the engine alone."""
+        return self.suspension.update_weights(weights, version=version)
 
     # -- engines (an EnginePool) ------------------------------------------------------
     def shrink_sampler(self, target_gpus: Iterable[int]) -> dict[str, Any]:
@@ -261,8 +334,7 @@ class RolloutPipeline:
             return
         self._closed = True
         try:
-            with contextlib.suppress(EngineError):
-                self.nodes.pause_controller.resume()
+            self.suspension.close(f"close() from thread {threading.current_thread().name!r}")
             close_chain(self.nodes.root)
         finally:
             if self.owns_engine:

@@ -139,13 +139,13 @@ def test_close_while_suspended_wakes_the_waiter(vllm_engine, tokenizer, mode):
     baseline = threads_now()
     pipe = RolloutPipeline(config(envs="frozenlake", batch_size=8), vllm_engine, tokenizer)
     assert len(pipe.get_batch()) == 8
-    pipe.suspend(mode)
+    pipe.suspend(mode, hold=True)  # held: another thread's get_batch waits for resume()
     waiter = Waiter(pipe)
     waiter.thread.join(0.2)
     assert waiter.thread.is_alive()  # held while suspended
     assert timed_close(pipe) < PROMPT_S
     assert isinstance(waiter.woken(), RuntimeClosedError)
-    assert not pipe.nodes.pause_controller.is_suspended
+    assert not pipe.suspension.is_suspended
     assert not vllm_engine.is_paused  # close resumed the shared engine
     assert_back_to(baseline)
 
@@ -156,7 +156,7 @@ def test_engine_closed_while_suspended(tiny_model_path, tokenizer):
     engine = HFEngine(tiny_model_path)
     pipe = RolloutPipeline(config(envs="frozenlake", batch_size=8), engine, tokenizer)
     assert len(pipe.get_batch()) == 8
-    pipe.suspend("keep")
+    pipe.suspend("keep", hold=True)
     waiter = Waiter(pipe)
     waiter.thread.join(0.2)
     assert waiter.thread.is_alive()
@@ -164,7 +164,7 @@ def test_engine_closed_while_suspended(tiny_model_path, tokenizer):
     assert isinstance(waiter.woken(), EngineClosedError)
     with pytest.raises(EngineClosedError):
         pipe.resume()  # the engine cannot resume...
-    assert not pipe.nodes.pause_controller.is_suspended  # ...but the pipeline is not left suspended
+    assert not pipe.suspension.is_suspended  # ...but the pipeline is not left suspended
     assert timed_close(pipe) < PROMPT_S  # and closing raises nothing
 
 
@@ -176,7 +176,7 @@ def test_suspend_on_a_closed_engine_raises_and_leaves_it_running(tiny_model_path
     engine.close()
     with pytest.raises(EngineClosedError):
         pipe.suspend()
-    assert not pipe.nodes.pause_controller.is_suspended
+    assert not pipe.suspension.is_suspended
     assert pipe.nodes.signals.is_open
     assert timed_close(pipe) < PROMPT_S
 

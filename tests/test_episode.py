@@ -403,10 +403,10 @@ def test_abort_regenerates_the_same_turn(hf_engine: Any, tokenizer: Any) -> None
 
     def suspend_and_resume() -> None:
         wait_until(lambda: hf_engine.tokens_generated > start, 60, "the request's first token")
-        control.close()
+        control.suspension.suspend()  # admission closes (no engine: it pauses none)
         hf_engine.pause("abort")  # returns once the request ended with "abort"
         hf_engine.resume()
-        control.open()
+        control.suspension.resume()
 
     async def admit() -> None:
         nonlocal calls

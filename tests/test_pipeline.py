@@ -9,6 +9,7 @@ from typing import ClassVar
 import numpy as np
 import pytest
 import torch
+from waiting import wait_until
 
 from rollpipe.envs import FrozenLake, register
 from rollpipe.nodes.episode_source import EpisodeSource
@@ -137,9 +138,9 @@ def test_suspend_update_resume_loses_nothing(vllm_engine, tokenizer, tiny_model_
     with RolloutPipeline(cfg, vllm_engine, tokenizer) as pipe:
         first = pipe.get_batch()
         old_version = pipe.version
-        pipe.suspend("keep")
-        with pytest.raises(RuntimeError, match="suspended: call resume"):
-            next(pipe)  # iterating a pipeline this very thread suspended would never end
+        pipe.suspend("keep", hold=True)
+        with pytest.raises(RuntimeError, match="holds the suspension"):
+            next(pipe)  # iterating a pipeline this very thread holds would never end
         new_version = pipe.update_weights(policy)
         pipe.resume()
         second = pipe.get_batch()
@@ -157,11 +158,14 @@ def test_suspend_from_another_thread_while_a_batch_fills(vllm_engine, tokenizer,
     cfg = config(num_groups=2, max_turns=3, concurrency=8)
     out: dict[str, object] = {}
     with RolloutPipeline(cfg, vllm_engine, tokenizer) as pipe:
+        start = vllm_engine.tokens_generated
         worker = threading.Thread(target=lambda: out.setdefault("batch", pipe.get_batch()))
         worker.start()
+        # the batch is filling (a get_batch that starts after a plain suspend resumes it)
+        wait_until(lambda: vllm_engine.tokens_generated > start, 60, "the batch's first tokens")
         for _ in range(3):
             pipe.suspend(mode)
-            assert pipe.nodes.pause_controller.is_suspended
+            assert pipe.suspension.is_suspended
             pipe.resume()
         worker.join(timeout=300)
         assert not worker.is_alive(), "get_batch hung across suspend/resume"

@@ -3,12 +3,19 @@
 Batching comes before collation so that padding happens once, to the batch's own
 longest row. The record it yields, :class:`TrajectoryBatch`, still holds trajectory
 records; ``Collate`` turns it into a ``DataProto``.
+
+With ``max_staleness`` a batch is checked again as it completes, by the rule the group
+assembler applies (``is_stale``): a group that became too old while it waited here (the
+weights were updated after it was accepted) is dropped, counted (``stale``, its tokens in
+``wasted_tokens``), and replaced through the control, so with ``max_staleness=0`` a batch
+holds only tokens of the weights current when it is returned.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -16,6 +23,14 @@ from torchdata.nodes import BaseNode
 
 from rollpipe._utils.checks import check_int
 from rollpipe.agent.records import Group, Trajectory
+from rollpipe.nodes.signals import RolloutControl
+
+
+def is_stale(group: Group, current_version: int, max_staleness: int) -> bool:
+    """The staleness rule: the group's oldest token is more than ``max_staleness``
+    versions behind ``current_version`` (a group that generated nothing is never stale)."""
+    oldest = group.min_version
+    return oldest >= 0 and current_version - oldest > max_staleness
 
 
 @attrs.frozen
@@ -44,20 +59,45 @@ class TrajectoryBatch:
 class Batch(BaseNode[TrajectoryBatch]):
     """Concatenates groups until exactly ``num_trajectories`` (``-1``: until the end).
 
-    ``num_trajectories`` may be changed between calls (``RolloutPipeline.get_batch``
-    does). At the end of the stream a smaller final batch is yielded unless
-    ``drop_last``.
+    ``request(n)`` sets the size of the next batch only (``RolloutPipeline.get_batch``
+    calls it with each request); ``num_trajectories`` is the size otherwise. At the end of
+    the stream a smaller final batch is yielded unless ``drop_last``.
+
+    Args:
+        source: node yielding complete :class:`Group` records.
+        num_trajectories: trajectories per batch (a multiple of the group size), or -1.
+        drop_last: drop a smaller final batch.
+        max_staleness: re-check each batch as it completes (see the module doc); None:
+            no check.
+        current_version: the current policy version (needed with ``max_staleness``).
+        control: receives a replacement request for each group dropped here.
     """
 
     def __init__(
-        self, source: BaseNode[Group], num_trajectories: int, *, drop_last: bool = False
+        self,
+        source: BaseNode[Group],
+        num_trajectories: int,
+        *,
+        drop_last: bool = False,
+        max_staleness: int | None = None,
+        current_version: Callable[[], int] | None = None,
+        control: RolloutControl | None = None,
     ) -> None:
         super().__init__()
         self.source = source
         self.num_trajectories = num_trajectories
         self.drop_last = drop_last
         self._check_size(num_trajectories)
+        if max_staleness is not None:
+            check_int("Batch.max_staleness (or None)", max_staleness, 0)
+            if current_version is None:
+                raise ValueError("Batch: max_staleness needs current_version")
+        self.max_staleness = max_staleness
+        self.current_version = current_version
+        self.control = control
+        self._requested: int | None = None  # the next batch's size, from request()
         self._carry: list[Group] = []  # a group that did not fit, kept for the next batch
+        self._dropped = Group(0, ())  # the counts of groups dropped here, not yet reported
         self._start = self._last_emit = time.perf_counter()
         self._stream_tokens = 0
 
@@ -66,40 +106,100 @@ class Batch(BaseNode[TrajectoryBatch]):
         if n != -1:
             check_int("Batch.num_trajectories (or -1: all)", n, 1)
 
+    def request(self, num_trajectories: int) -> None:
+        """The next batch holds ``num_trajectories`` (-1: until the end); later batches
+        go back to ``self.num_trajectories``."""
+        self._check_size(num_trajectories)
+        self._requested = num_trajectories
+
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self.source.reset(None if initial_state is None else initial_state["source"])
         carry = [] if initial_state is None else initial_state["carry"]
         self._carry = [Group.from_state(g) for g in carry]
+        dropped = None if initial_state is None else initial_state.get("dropped")
+        self._dropped = Group(0, ()) if dropped is None else Group.from_state(dropped)
+        self._requested = None
         self._start = self._last_emit = time.perf_counter()
         self._stream_tokens = 0
 
     def get_state(self) -> dict[str, Any]:
-        return {"source": self.source.state_dict(), "carry": [g.to_state() for g in self._carry]}
+        return {
+            "source": self.source.state_dict(),
+            "carry": [g.to_state() for g in self._carry],
+            "dropped": self._dropped.to_state(),
+        }
+
+    def _fresh(self, groups: list[Group]) -> list[Group]:
+        """The groups not stale against the version now (read once, for all of them)."""
+        if self.max_staleness is None or self.current_version is None:
+            return groups
+        current, limit = self.current_version(), self.max_staleness
+        return [g for g in groups if not is_stale(g, current, limit)]
+
+    def _drop_stale(self, group: Group) -> None:
+        """Count ``group`` (and the drops it carried) as dropped here; ask for another."""
+        trajs = group.trajectories
+        tag = trajs[0].tag if trajs else ""
+        wasted = sum(t.num_generated_tokens + t.aborted_tokens for t in trajs)
+        drops = Counter(self._dropped.drops) + Counter(group.drops)
+        drops.update({"stale": 1, "wasted_tokens": wasted})
+        tag_drops = {t: Counter(c) for t, c in self._dropped.tag_drops.items()}
+        for t, counts in group.tag_drops.items():
+            tag_drops.setdefault(t, Counter()).update(counts)
+        tag_drops.setdefault(tag, Counter()).update({"stale": 1, "wasted_tokens": wasted})
+        errors = (*self._dropped.errors, *group.errors)
+        self._dropped = Group(0, (), drops=drops, tag_drops=tag_drops, errors=errors)
+        if self.control is not None:
+            self.control.request_groups(1)
+
+    def _with_dropped(self, group: Group) -> Group:
+        """``group`` carrying the counts of the groups dropped here before it."""
+        if not (self._dropped.drops or self._dropped.tag_drops or self._dropped.errors):
+            return group
+        drops = Counter(self._dropped.drops) + Counter(group.drops)
+        tag_drops = {t: Counter(c) for t, c in self._dropped.tag_drops.items()}
+        for t, counts in group.tag_drops.items():
+            tag_drops.setdefault(t, Counter()).update(counts)
+        errors = (*self._dropped.errors, *group.errors)
+        self._dropped = Group(0, ())
+        return attrs.evolve(group, drops=drops, tag_drops=tag_drops, errors=errors)
 
     def next(self) -> TrajectoryBatch:
-        target = self.num_trajectories
+        target = self.num_trajectories if self._requested is None else self._requested
+        self._requested = None
         self._check_size(target)
         groups: list[Group] = []
-        drops: Counter[str] = Counter()
         count = 0
-        while target == -1 or count < target:
-            try:
-                group = self._carry.pop() if self._carry else next(self.source)
-            except StopIteration:
-                if not groups or (self.drop_last and target != -1):
-                    raise
+        while True:
+            while target == -1 or count < target:
+                try:
+                    group = self._carry.pop() if self._carry else next(self.source)
+                except StopIteration:
+                    if not groups or (self.drop_last and target != -1):
+                        raise
+                    break
+                size = len(group.trajectories)
+                if target != -1 and count + size > target:
+                    self._carry = [*groups, group][::-1]  # nothing is lost: retried next call
+                    raise ValueError(
+                        f"Batch: num_trajectories={target} is not a multiple of the group "
+                        f"size ({size}); a batch holds whole groups — pick a multiple of {size}"
+                    )
+                groups.append(group)
+                count += size
+            fresh = self._fresh(groups)
+            if len(fresh) == len(groups):
                 break
-            size = len(group.trajectories)
-            if target != -1 and count + size > target:
-                self._carry = [*groups, group][::-1]  # nothing is lost: retried next call
-                raise ValueError(
-                    f"Batch: num_trajectories={target} is not a multiple of the group size "
-                    f"({size}); a batch holds whole groups — pick a multiple of {size}"
-                )
-            groups.append(group)
+            for group in groups:  # the weights changed while they waited here
+                if not any(group is f for f in fresh):
+                    self._drop_stale(group)
+            groups, count = fresh, sum(len(g.trajectories) for g in fresh)
+        if groups:
+            groups[0] = self._with_dropped(groups[0])
+        drops: Counter[str] = Counter()
+        for group in groups:
             drops.update(group.drops)
-            count += size
         now = time.perf_counter()
         wall, self._last_emit = now - self._last_emit, now
         self._stream_tokens += sum(t.num_generated_tokens for g in groups for t in g.trajectories)

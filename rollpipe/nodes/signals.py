@@ -1,9 +1,10 @@
 """The signals that flow back upstream, against the records.
 
 Records flow one way (specs → trajectories → groups → batches). Three signals flow
-back: the admission gate (closed while the trainer updates weights), group
-cancellations (redundant members no longer needed) and requests for replacement
-groups (a group was filtered, stale or errored). One ``RolloutControl`` is shared by
+back: admission (read from the pipeline's one ``Suspension``: no new episode or engine
+request while the trainer updates weights), group cancellations (redundant members no
+longer needed) and requests for more groups (the pipeline's grants, and replacements
+for a group that was filtered, stale or errored). One ``RolloutControl`` is shared by
 the stages of a pipeline; each stage that needs it takes it as an argument, so a
 stage used alone needs none. A stage that must react to a signal at once (the rollout's
 admission driver) registers a listener, called on every change from whatever thread
@@ -16,14 +17,18 @@ import threading
 from collections.abc import Callable
 
 from rollpipe._utils.checks import check_int
-from rollpipe.runtime import Gate
+from rollpipe.nodes.suspension import Suspension
 
 
 class RolloutControl:
-    """Admission gate, cancelled groups and replacement requests, safe across threads."""
+    """Admission, cancelled groups, grants and replacement requests, safe across threads.
 
-    def __init__(self) -> None:
-        self._gate = Gate(is_open=True)
+    Admission is ``suspension``'s (the pipeline's one ``Suspension``; a fresh one, with
+    no engine, when none is given): its changes reach this control's listeners too.
+    """
+
+    def __init__(self, suspension: Suspension | None = None) -> None:
+        self.suspension = suspension if suspension is not None else Suspension()
         self._lock = threading.Lock()
         self._cancelled: set[int] = set()
         self._settled = 0  # no member of a group below this id is left upstream
@@ -31,6 +36,7 @@ class RolloutControl:
         self._grants: list[tuple[int, int]] = []  # (groups, step) not yet taken
         self._made = 0  # replacements + grants ever asked for
         self._listeners: list[Callable[[], None]] = []
+        self.suspension.add_listener(self._changed)
 
     # -- listeners --------------------------------------------------------------------
     def add_listener(self, listener: Callable[[], None]) -> None:
@@ -49,25 +55,15 @@ class RolloutControl:
         for listener in listeners:
             listener()
 
-    # -- admission gate -------------------------------------------------------------
+    # -- admission (the suspension's) ---------------------------------------------------
     @property
     def is_open(self) -> bool:
-        """Whether new episodes and new engine requests may start."""
-        return self._gate.is_open
-
-    def close(self) -> None:
-        """Stop admitting episodes and engine requests (in-flight work is left alone)."""
-        self._gate.close()
-        self._changed()
-
-    def open(self) -> None:
-        """Admit again; wakes every request waiting in ``admit()`` on any loop."""
-        self._gate.open()
-        self._changed()
+        """Whether new episodes and new engine requests may start (not suspended)."""
+        return self.suspension.admitting
 
     async def admit(self) -> None:
-        """Return once the gate is open; awaited before every engine request."""
-        await self._gate.wait_async()
+        """Return once admitting; awaited before every engine request."""
+        await self.suspension.admit()
 
     # -- cancellations --------------------------------------------------------------
     def cancel_group(self, group_id: int) -> None:
@@ -109,8 +105,9 @@ class RolloutControl:
 
     def grant_groups(self, n: int, step: int = 0) -> None:
         """Let a metered episode source issue ``n`` more groups, created at training
-        ``step`` (the pipeline grants one batch's worth per ``get_batch``, so generation
-        does not run ahead; a grant older than the source allows expires unissued)."""
+        ``step``: the one call through which the pipeline grants work (one batch's worth
+        per ``get_batch``, so generation does not run ahead; a grant older than the
+        source allows expires unissued)."""
         check_int("grant_groups: n", n, 0)
         check_int("grant_groups: step", step, 0)
         with self._lock:
