@@ -134,7 +134,7 @@ class BaseEngine(EngineStateView):
         futures = [self._scope.submit(self._generate(p, params)) for p in checked]
         return [f.result() for f in futures]
 
-    def pause(self, mode: PauseMode = "keep") -> None:
+    def pause(self, mode: PauseMode = "abort") -> None:
         """Stop generating: ``keep`` freezes in-flight requests, ``abort`` ends them with
         finish_reason "abort", ``wait`` lets them finish. New requests wait for resume."""
         self._call(self._pause(check_pause_mode(mode)))
@@ -205,3 +205,15 @@ class BaseEngine(EngineStateView):
             with self._state.updating(version) as new_version:
                 # stored on exit, with no await since the load: see Backend.load_weights
                 await self._backend.load_weights(named, new_version)
+
+    def __reduce__(self) -> Any:
+        """An engine cannot be pickled (a model, an event loop and threads in this process):
+        a Ray actor builds its own from a factory (docs/ray-actor.md)."""
+        name = type(self).__name__
+        raise TypeError(
+            f"{name} cannot be pickled: it holds a model, an event loop and threads in this "
+            f"process. To run a RolloutPipeline in a Ray actor, pass a factory that builds "
+            f"the engine inside the actor: ray.remote(RolloutPipeline).options("
+            f"max_concurrency=4).remote(config, functools.partial({name}, path), path) "
+            "(see docs/ray-actor.md)"
+        )

@@ -188,7 +188,7 @@ class EnginePool(EngineStateView):
                 return gen
 
     # -- control ---------------------------------------------------------------------------
-    def pause(self, mode: PauseMode = "keep") -> None:
+    def pause(self, mode: PauseMode = "abort") -> None:
         """Pause every active rank in ``mode`` (see ``Engine.pause``)."""
         check_pause_mode(mode)
         with self._control:
