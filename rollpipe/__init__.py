@@ -44,6 +44,11 @@ _EXPORTS: dict[str, str] = {
     "Pausable": "rollpipe.nodes.pausable",
     "Suspension": "rollpipe.nodes.suspension",
     "PipelineConfig": "rollpipe.config",
+    "SourceSettings": "rollpipe.nodes.episode_source",
+    "EpisodeSettings": "rollpipe.agent.episode",
+    "RolloutSettings": "rollpipe.nodes.rollout",
+    "GroupSettings": "rollpipe.nodes.groups",
+    "CollateSettings": "rollpipe.nodes.collate",
     "PipelineNodes": "rollpipe.pipeline",
     "RolloutPipeline": "rollpipe.pipeline",
     "build_nodes": "rollpipe.pipeline",
@@ -54,7 +59,7 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from rollpipe.agent.chat import ChatFormat
-    from rollpipe.agent.episode import run_episode
+    from rollpipe.agent.episode import EpisodeSettings, run_episode
     from rollpipe.agent.records import EpisodeSpec, Group, Trajectory, Turn
     from rollpipe.config import PipelineConfig
     from rollpipe.data.divisor import pad_to_divisor, unpad
@@ -67,11 +72,11 @@ if TYPE_CHECKING:
     from rollpipe.engines.tiny_model import build_tiny_model, default_model_path
     from rollpipe.engines.vllm import VLLMEngine
     from rollpipe.nodes.batch import Batch, TrajectoryBatch
-    from rollpipe.nodes.collate import Collate
-    from rollpipe.nodes.episode_source import EnvChoice, EpisodeSource
-    from rollpipe.nodes.groups import GroupAssembler
+    from rollpipe.nodes.collate import Collate, CollateSettings
+    from rollpipe.nodes.episode_source import EnvChoice, EpisodeSource, SourceSettings
+    from rollpipe.nodes.groups import GroupAssembler, GroupSettings
     from rollpipe.nodes.pausable import Pausable
-    from rollpipe.nodes.rollout import Rollout
+    from rollpipe.nodes.rollout import Rollout, RolloutSettings
     from rollpipe.nodes.signals import RolloutControl
     from rollpipe.nodes.suspension import Suspension
     from rollpipe.pipeline import PipelineNodes, RolloutPipeline, build_nodes

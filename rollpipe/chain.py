@@ -15,7 +15,6 @@ from typing import Any, Literal
 import attrs
 from torchdata.nodes import BaseNode, Mapper
 
-from rollpipe.agent.chat import ChatFormat
 from rollpipe.config import PipelineConfig
 from rollpipe.data.proto import DataProto
 from rollpipe.engines.protocol import Engine
@@ -68,9 +67,10 @@ def build_nodes(
         )
 
     engine_limit = getattr(engine, "max_model_len", None)
-    if isinstance(engine_limit, int) and config.max_length > engine_limit:
+    max_length = config.episode.max_length
+    if isinstance(engine_limit, int) and max_length > engine_limit:
         raise ValueError(
-            f"PipelineConfig.max_length={config.max_length} is more than the engine's "
+            f"EpisodeSettings.max_length={max_length} is more than the engine's "
             f"max_model_len={engine_limit}: the first long conversation would fail in the "
             "engine; lower max_length or build the engine with a larger max_model_len"
         )
@@ -80,68 +80,43 @@ def build_nodes(
 
     suspension = Suspension(engine, name=name)
     signals = RolloutControl(suspension)
-    chat = ChatFormat(
-        tokenizer, system_prompt=config.system_prompt, history_window=config.history_window
-    )
-    source = EpisodeSource(
-        config.num_groups,
-        config.group_size,
-        config.seed,
-        config.envs,
-        redundancy=config.redundancy,
-        control=signals,
-        metered=config.async_generation_ratio is not None,
-        expire_after=config.async_generation_ratio,
+    ratio = config.async_generation_ratio
+    source = EpisodeSource.from_settings(
+        config.source, control=signals, metered=ratio is not None, expire_after=ratio
     )
     rollout = Rollout(
         hooked("source", source),
         engine,
-        chat,
-        sampling=config.sampling,
-        max_turns=config.max_turns,
-        max_length=config.max_length,
-        concurrency=config.concurrency,
-        env_workers=config.env_workers,
-        env_timeout_s=config.env_timeout_s,
-        generation_timeout_s=config.generation_timeout_s,
-        reward_clip=config.reward_clip,
-        in_order=config.admission_order,
+        config.episode.chat_format(tokenizer),
+        attrs.evolve(config.rollout, in_order=config.admission_order),
+        config.episode,
         control=signals,
-        raise_env_errors=config.raise_env_errors,
-        on_length=config.on_length,
-        length_penalty=config.length_penalty,
         env_factory=_env_factory(config),
     )
-    groups = GroupAssembler(
+    groups = GroupAssembler.from_settings(
         hooked("rollout", rollout),
-        config.group_size,
-        redundancy=config.redundancy,
-        keep_group=config.keep_group,
-        drop_group=config.drop_group,
-        max_staleness=config.async_generation_ratio,
+        config.groups,
+        config.source.group_size,
+        redundancy=config.source.redundancy,
+        max_staleness=ratio,
         current_version=lambda: engine.version,
         control=signals,
-        max_drops_in_a_row=config.max_drops_in_a_row,
     )
     batch = Batch(
         hooked("groups", groups),
         config.batch_size,
-        max_staleness=config.async_generation_ratio,
+        max_staleness=ratio,
         current_version=lambda: engine.version,
         control=signals,
     )
     pad_id = (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     )
-    collate = Collate(
-        hooked("batch", batch),
-        pad_id,
-        pad_to_multiple_of=config.pad_to_multiple_of,
-        level=config.level,
-    )
+    collate = Collate.from_settings(hooked("batch", batch), pad_id, config.collate)
     rows: BaseNode[Any] = hooked("collate", collate)
-    if config.layout != "native":  # ROLL's or verl's layout, converted once per batch
-        rows = Mapper(rows, methodcaller(f"to_{config.layout}"))
+    layout = config.collate.layout
+    if layout != "native":  # ROLL's or verl's layout, converted once per batch
+        rows = Mapper(rows, methodcaller(f"to_{layout}"))
     root: Pausable[DataProto] = Pausable(rows, suspension)
     return PipelineNodes(signals, suspension, source, rollout, groups, batch, collate, root)
 
@@ -149,7 +124,7 @@ def build_nodes(
 def _env_factory(config: PipelineConfig) -> Any:
     """``env_backend="ray"``: each env slot's env in a Ray actor (``rollpipe.envs.ray_env``);
     ``"local"``: the registry's env in this process (None: the Rollout's default)."""
-    if config.env_backend == "local":
+    if config.rollout.env_backend == "local":
         return None
     from rollpipe.envs.ray_env import ray_env_factory
 

@@ -1,84 +1,69 @@
-"""PipelineConfig: everything the standard chain needs, validated at construction.
+"""PipelineConfig: the standard chain's settings, one record per stage plus what is
+pipeline-wide.
 
-Plain data (YAML or a dict, through ``from_dict``); a bad value fails here with a message
-naming the field.
+Each stage's settings are a frozen record defined and checked in that stage's module:
+``source`` (:class:`SourceSettings`, ``nodes/episode_source.py``), ``episode``
+(:class:`EpisodeSettings`, ``agent/episode.py``), ``rollout`` (:class:`RolloutSettings`,
+``nodes/rollout.py``), ``groups`` (:class:`GroupSettings`, ``nodes/groups.py``) and
+``collate`` (:class:`CollateSettings`, ``nodes/collate.py``). ``PipelineConfig`` adds
+``batch_size``, ``async_generation_ratio`` and ``max_traj_per_env`` and checks only what
+spans sections. Flat names (``PipelineConfig(group_size=4, max_turns=3)``, ROLL style)
+keep working: each is routed to its section by a table built from the records' fields.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 
-from rollpipe._utils.checks import (
-    check_int,
-    float_in,
-    instance_of,
-    int_at_least,
-    one_of,
-    optional,
-)
-from rollpipe.agent.chat import DEFAULT_SYSTEM_PROMPT
-from rollpipe.agent.episode import DEFAULT_ENV_TIMEOUT_S, ON_LENGTH
-from rollpipe.engines.records import SamplingParams
-from rollpipe.envs import available as available_envs
-from rollpipe.nodes.episode_source import EnvChoice, as_env_choices
-from rollpipe.nodes.groups import GroupRule, check_group_rule
+from rollpipe._utils.checks import check_int, int_in, optional
+from rollpipe.agent.episode import EpisodeSettings
+from rollpipe.nodes.collate import CollateSettings
+from rollpipe.nodes.episode_source import SourceSettings
+from rollpipe.nodes.groups import GroupSettings
+from rollpipe.nodes.rollout import RolloutSettings
 
-__all__ = ["PipelineConfig"]
+__all__ = [
+    "FLAT_NAMES",
+    "SECTIONS",
+    "CollateSettings",
+    "EpisodeSettings",
+    "GroupSettings",
+    "PipelineConfig",
+    "RolloutSettings",
+    "SourceSettings",
+]
 
+SECTIONS: dict[str, type] = {
+    "source": SourceSettings,
+    "episode": EpisodeSettings,
+    "rollout": RolloutSettings,
+    "groups": GroupSettings,
+    "collate": CollateSettings,
+}
+"""Section name -> its record class (each defined beside its stage)."""
+WIDE = ("batch_size", "async_generation_ratio", "max_traj_per_env")
+"""The pipeline-wide fields (no section)."""
+FLAT_NAMES: dict[str, str] = {
+    f.name: section for section, cls in SECTIONS.items() for f in attrs.fields(cls)
+}
+"""Flat name -> its section, from the records' fields: ``max_turns`` -> ``"episode"``."""
+assert len(FLAT_NAMES) == sum(len(attrs.fields(c)) for c in SECTIONS.values()), "names clash"
+assert not set(FLAT_NAMES) & {*SECTIONS, *WIDE}, "a flat name clashes with a section"
 
-def _sampling(value: SamplingParams | Mapping[str, Any]) -> SamplingParams:
-    if isinstance(value, SamplingParams):
-        return value
-    if not isinstance(value, Mapping):
-        raise ValueError(
-            f"PipelineConfig.sampling must be a SamplingParams or a dict of its fields "
-            f"(e.g. {{'max_tokens': 48}}), got {value!r}"
-        )
-    valid = sorted(f.name for f in attrs.fields(SamplingParams))
-    unknown = sorted(set(value) - set(valid))
-    if unknown:
-        raise ValueError(f"PipelineConfig.sampling: unknown keys {unknown}; valid keys: {valid}")
-    try:
-        return SamplingParams(**value)
-    except ValueError as exc:
-        raise ValueError(f"PipelineConfig.sampling: {exc}") from exc
-
-
-_ENVS_HINT = (
-    "give an env name, an EnvChoice, or a list of them or of dicts "
-    "{name: ..., config: {...}, weight: 1.0, tag: ...}"
-)
-
-
-def _envs(value: Any) -> tuple[EnvChoice, ...]:
-    if isinstance(value, (str, EnvChoice)):
-        value = [value]
-    if not isinstance(value, (list, tuple)):
-        raise ValueError(f"PipelineConfig.envs: got {value!r}; {_ENVS_HINT}")
-    try:
-        items = [_env_choice(v) for v in value]
-        choices = as_env_choices(items)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"PipelineConfig.envs: {exc}; {_ENVS_HINT}") from exc
-    known = available_envs()
-    for c in choices:
-        if c.name not in known:
-            raise ValueError(f"PipelineConfig.envs: unknown env {c.name!r}; registered: {known}")
-    return choices
-
-
-def _env_choice(value: Any) -> EnvChoice | str:
-    if isinstance(value, Mapping):
-        if not isinstance(value.get("config", {}), Mapping):
-            raise ValueError(f"an env's config must be a dict, got {value['config']!r}")
-        return EnvChoice(**value)
-    if not isinstance(value, (str, EnvChoice)):
-        raise ValueError(f"an env must be a name, an EnvChoice or a dict, got {value!r}")
-    return value
+RENAMED = {
+    "filter": "PipelineConfig.filter was renamed: filter='zero_variance' is now "
+    "drop_group='zero_variance' (True drops, as ROLL's filter()); a predicate that returns "
+    "True to keep a group goes to keep_group",
+    "max_staleness": "PipelineConfig.max_staleness was renamed to async_generation_ratio "
+    "(ROLL's name: how many policy versions a group may lag; 0 is on-policy)",
+}
+MAX_BATCH_SIZE = 2**20
+MAX_RATIO = 1024
+MAX_TRAJ_PER_ENV = 65536
 
 
 def _minus_one_is_none(value: Any) -> Any:
@@ -86,25 +71,88 @@ def _minus_one_is_none(value: Any) -> Any:
     return None if isinstance(value, int) and not isinstance(value, bool) and value == -1 else value
 
 
-_STR_OR_NONE: Any = optional(instance_of(str))
-_SECONDS_OR_NONE: Any = optional(float_in(0.0, low_open=True))
-
-
-def _count_or_none(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+def _ratio(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
     if value is not None:
-        check_int(f"PipelineConfig.{attr.name} (or None)", value, 0)
+        check_int(f"PipelineConfig.{attr.name} (or None)", value, 0, MAX_RATIO)
 
 
-@attrs.frozen(kw_only=True)
+def _article(word: str) -> str:
+    return "an" if word[0] in "AEIOU" else "a"
+
+
+def _valid_keys() -> list[str]:
+    return [*SECTIONS, *WIDE, *sorted(FLAT_NAMES)]
+
+
+def _section(name: str, given: Any, flat: dict[str, Any]) -> Any:
+    """Section ``name`` from what was given for it (a record, a mapping or nothing) with
+    the flat keys routed to it on top (a flat key wins over the same key in the section)."""
+    cls = SECTIONS[name]
+    if given is None or isinstance(given, cls):
+        record: Any = cls() if given is None else given
+        return attrs.evolve(record, **flat) if flat else record
+    if not isinstance(given, Mapping):
+        raise ValueError(
+            f"PipelineConfig.{name} must be {_article(cls.__name__)} {cls.__name__} or a "
+            "mapping of its fields, "
+            f"got {type(given).__name__} {given!r:.200}"
+        )
+    valid = [f.name for f in attrs.fields(cls)]
+    unknown = sorted(map(str, set(given) - set(valid)))
+    if unknown:
+        raise ValueError(
+            f"PipelineConfig.{name}: unknown keys {unknown}; valid keys: {sorted(valid)}"
+        )
+    return cls(**{**given, **flat})
+
+
+def _routed(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """Keyword arguments of ``__attrs_init__``: every section built (flat keys routed to
+    theirs), the pipeline-wide fields as given; an unknown key lists the valid ones."""
+    for old, hint in RENAMED.items():
+        if old in settings:
+            raise ValueError(hint)
+    unknown = sorted(map(str, set(settings) - set(SECTIONS) - set(WIDE) - set(FLAT_NAMES)))
+    if unknown:
+        raise ValueError(
+            f"PipelineConfig: unknown keys {unknown}; valid keys: sections {list(SECTIONS)}, "
+            f"pipeline-wide {list(WIDE)} and the sections' fields {sorted(FLAT_NAMES)}"
+        )
+    flat: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    for key, value in settings.items():
+        if key in FLAT_NAMES:
+            flat[FLAT_NAMES[key]][key] = value
+    out = {k: settings[k] for k in WIDE if k in settings}
+    for name in SECTIONS:
+        out[name] = _section(name, settings.get(name), flat[name])
+    return out
+
+
+@attrs.frozen(kw_only=True, init=False)
 class PipelineConfig:
-    """Everything the standard chain needs. Bad values fail here, naming the field.
+    """Everything the standard chain needs: one settings record per stage, plus what is
+    pipeline-wide. Bad values fail here, naming the field, the value and the range.
 
-    ``envs`` takes an env name, an :class:`EnvChoice`, or a list mixing several by
-    weight (YAML: ``[{name: sokoban, weight: 1, config: {dim_room: [6, 6]}}]``).
+    Build it with sections, flat names, or both:
+
+    >>> PipelineConfig(episode={"max_turns": 3}).episode.max_turns
+    3
+    >>> cfg = PipelineConfig(group_size=2, batch_size=4, max_turns=3)  # ROLL-style flat names
+    >>> cfg.source.group_size, cfg.episode.max_turns, cfg.max_turns
+    (2, 3, 3)
+
+    A section takes its record or a mapping of its fields (missing fields: defaults);
+    a flat name given together with its section is applied on top of it (the flat name
+    wins). Reading a flat name (``config.group_size``) reads it from its section.
+
+    Sections (see each record for its fields): ``source`` (envs, group_size,
+    num_groups, redundancy, seed), ``episode`` (max_turns, max_length, sampling,
+    system_prompt, history_window, env_timeout_s, generation_timeout_s, reward_clip,
+    raise_env_errors, on_length, length_penalty, max_aborts), ``rollout`` (concurrency,
+    env_workers, env_backend, in_order), ``groups`` (keep_group, drop_group,
+    max_drops_in_a_row), ``collate`` (level, pad_to_multiple_of, layout).
+
     ``batch_size`` counts trajectories and must be a multiple of ``group_size``.
-    ``num_groups=None`` runs forever. ``in_order=None`` (auto) yields trajectories in
-    admission order — reproducible — unless ``redundancy`` or ``max_traj_per_env`` is
-    set, where completion order lets the first finishers win.
 
     ``async_generation_ratio`` (ROLL's name and default, 0) bounds how far generation
     runs ahead of the trainer: each ``get_batch`` lets the source start that batch's
@@ -120,88 +168,32 @@ class PipelineConfig:
     groups, at least one batch. The first to finish fill the batch (completion order
     unless ``in_order`` says otherwise); a granted group not started within
     ``async_generation_ratio`` steps expires (``dropped/expired``), as in ROLL.
-
-    ``env_backend="ray"`` runs each env slot's env in a Ray actor (for heavy envs or
-    isolation: a crashed worker fails only its episode and is replaced; see
-    ``rollpipe.envs.ray_env``); ``"local"`` (default) runs them in this process.
-
-    ``env_timeout_s`` limits each env ``reset`` / ``step`` call (default 60 s; None: no
-    limit): a call over it ends its episode as errored (the group is handled like any
-    errored group) while every other episode and the engine go on. Envs run on env
-    threads (``env_workers``; 0: one per episode in flight), off the event loop, unless
-    the env declares ``blocking = False`` (the built-in grid envs), which runs inline.
-    ``generation_timeout_s`` (default None: no limit) limits each
-    engine request the same way: over it, the request is aborted and its episode errored.
-    Time the engine spends paused (``suspend``) does not count.
-
-    ``reward_clip`` (default None): a reward that is not finite in float32 fails its
-    episode (errored). Set to ``c > 0``, a reward beyond ``±c`` (±inf included) is
-    clipped to ``±c`` and counted in the batch metric ``rewards_clipped``; NaN, which
-    has no side to clip to, still fails the episode.
-
-    ``layout``: ``"native"`` rows (``rollpipe.data.rows``), ``"roll"`` (ROLL's agentic
-    field names, dtypes and placement: ``DataProto.to_roll()``) or ``"verl"`` (a real
-    ``verl.protocol.DataProto`` in verl's agent-loop layout: ``to_verl()``, needs verl).
+    ``in_order=None`` (auto) yields trajectories in admission order — reproducible —
+    unless ``redundancy`` or ``max_traj_per_env`` is set (see ``admission_order``).
     """
 
-    envs: tuple[EnvChoice, ...] = attrs.field(default=("frozenlake",), converter=_envs)
-    group_size: int = attrs.field(default=4, validator=int_at_least(1))
-    batch_size: int = attrs.field(default=16, validator=int_at_least(1))
-    num_groups: int | None = attrs.field(default=None, validator=optional(int_at_least(1)))
-    redundancy: int = attrs.field(default=0, validator=int_at_least(0))
-    seed: int = attrs.field(default=0, validator=int_at_least(0))
-    max_turns: int = attrs.field(default=5, validator=int_at_least(1))
-    max_length: int = attrs.field(default=1024, validator=int_at_least(1))
-    concurrency: int = attrs.field(default=32, validator=int_at_least(1))
-    env_workers: int = attrs.field(default=0, validator=int_at_least(0))
-    env_timeout_s: float | None = attrs.field(
-        default=DEFAULT_ENV_TIMEOUT_S, validator=_SECONDS_OR_NONE
-    )
-    generation_timeout_s: float | None = attrs.field(default=None, validator=_SECONDS_OR_NONE)
-    reward_clip: float | None = attrs.field(
-        default=None, validator=optional(float_in(0.0, low_open=True))
-    )
-    env_backend: Literal["local", "ray"] = attrs.field(
-        default="local", validator=one_of("local", "ray")
-    )
-    sampling: SamplingParams = attrs.field(
-        factory=lambda: SamplingParams(max_tokens=48), converter=_sampling
-    )
-    system_prompt: str | None = attrs.field(default=DEFAULT_SYSTEM_PROMPT, validator=_STR_OR_NONE)
-    history_window: int | None = attrs.field(default=None, validator=optional(int_at_least(0)))
-    layout: Literal["native", "roll", "verl"] = attrs.field(
-        default="native", validator=one_of("native", "roll", "verl")
-    )
-    level: Literal["trajectory", "step"] = attrs.field(
-        default="trajectory", validator=one_of("trajectory", "step")
-    )
-    pad_to_multiple_of: int | None = attrs.field(default=None, validator=optional(int_at_least(1)))
-    keep_group: str | GroupRule | None = attrs.field(default=None, validator=check_group_rule)
-    drop_group: str | GroupRule | None = attrs.field(default=None, validator=check_group_rule)
-    async_generation_ratio: int | None = attrs.field(default=0, validator=_count_or_none)
+    source: SourceSettings = attrs.field(factory=SourceSettings)
+    episode: EpisodeSettings = attrs.field(factory=EpisodeSettings)
+    rollout: RolloutSettings = attrs.field(factory=RolloutSettings)
+    groups: GroupSettings = attrs.field(factory=GroupSettings)
+    collate: CollateSettings = attrs.field(factory=CollateSettings)
+    batch_size: int = attrs.field(default=16, validator=int_in(1, MAX_BATCH_SIZE))
+    async_generation_ratio: int | None = attrs.field(default=0, validator=_ratio)
     max_traj_per_env: int | None = attrs.field(
-        default=None, converter=_minus_one_is_none, validator=optional(int_at_least(1))
-    )
-    max_drops_in_a_row: int = attrs.field(default=1000, validator=int_at_least(1))
-    in_order: bool | None = attrs.field(default=None, validator=optional(instance_of(bool)))
-    raise_env_errors: bool = attrs.field(default=False, validator=instance_of(bool))
-    on_length: Literal["step", "skip", "end"] = attrs.field(
-        default="step", validator=one_of(*ON_LENGTH)
-    )
-    length_penalty: float | None = attrs.field(
-        default=None, validator=optional(float_in(-math.inf))
+        default=None,
+        converter=_minus_one_is_none,
+        validator=optional(int_in(1, MAX_TRAJ_PER_ENV)),
     )
 
+    def __init__(self, **settings: Any) -> None:
+        self.__attrs_init__(**_routed(settings))  # type: ignore[attr-defined]
+
     def __attrs_post_init__(self) -> None:
-        if self.on_length == "step" and self.length_penalty is not None:
-            raise ValueError(
-                "PipelineConfig.length_penalty applies only to on_length='skip' or 'end'; "
-                "with 'step' the env alone rewards a cut response"
-            )
-        if self.batch_size % self.group_size:
+        source, episode, collate = self.source, self.episode, self.collate
+        if self.batch_size % source.group_size:
             raise ValueError(
                 f"PipelineConfig.batch_size={self.batch_size} is not a multiple of "
-                f"group_size={self.group_size}; batches hold whole groups"
+                f"group_size={source.group_size}; batches hold whole groups"
             )
         if self.max_traj_per_env is not None:
             if self.async_generation_ratio is None:
@@ -209,49 +201,85 @@ class PipelineConfig:
                     "PipelineConfig.max_traj_per_env needs async_generation_ratio (an int): "
                     "with None collection is not metered per step"
                 )
-            if self.max_traj_per_env * self.concurrency < self.batch_size:
+            concurrency = self.rollout.concurrency
+            if self.max_traj_per_env * concurrency < self.batch_size:
                 raise ValueError(
                     f"PipelineConfig.max_traj_per_env={self.max_traj_per_env} x "
-                    f"concurrency={self.concurrency} starts fewer trajectories per step "
+                    f"concurrency={concurrency} starts fewer trajectories per step "
                     f"than batch_size={self.batch_size}; raise max_traj_per_env to at least "
-                    f"{math.ceil(self.batch_size / self.concurrency)} (or -1: one batch)"
+                    f"{math.ceil(self.batch_size / concurrency)} (or -1: one batch)"
                 )
-        if self.level == "step" and self.history_window is None:
+        if collate.level == "step" and episode.history_window is None:
             raise ValueError(
                 "PipelineConfig.level='step' needs history_window (e.g. 2): step rows "
                 "show a bounded window of recent turns"
             )
+        if collate.level == "trajectory" and episode.history_window is not None:
+            raise ValueError(
+                f"PipelineConfig.history_window={episode.history_window} needs level='step': "
+                "with a window each turn sees its own prompt, so a trajectory has no single "
+                "token-exact row; set level='step' (a row per turn) or history_window=None"
+            )
+
+    def __getattr__(self, name: str) -> Any:
+        """A flat name (``config.group_size``) reads its section's field."""
+        section = FLAT_NAMES.get(name)
+        if section is None or name.startswith("_"):
+            raise AttributeError(f"PipelineConfig has no field {name!r}; valid: {_valid_keys()}")
+        return getattr(getattr(self, section), name)
 
     @property
     def groups_per_step(self) -> int:
         """Groups each ``get_batch`` lets the source start (see ``max_traj_per_env``)."""
-        per_batch = self.batch_size // self.group_size
+        per_batch = self.batch_size // self.source.group_size
         if self.max_traj_per_env is None:
             return per_batch
-        return max(per_batch, math.ceil(self.max_traj_per_env * self.concurrency / self.group_size))
+        started = self.max_traj_per_env * self.rollout.concurrency
+        return max(per_batch, math.ceil(started / self.source.group_size))
 
     @property
     def admission_order(self) -> bool:
         """``in_order`` resolved: admission order unless first finishers should win
         (``redundancy`` or ``max_traj_per_env`` start more than a batch needs)."""
-        if self.in_order is not None:
-            return self.in_order
-        return self.redundancy == 0 and self.max_traj_per_env is None
+        if self.rollout.in_order is not None:
+            return self.rollout.in_order
+        return self.source.redundancy == 0 and self.max_traj_per_env is None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PipelineConfig:
-        """From plain data (YAML); an unknown key is an error listing the valid ones."""
-        if "filter" in data:
+        """From plain data (YAML): sections as nested mappings, or ROLL-style flat names,
+        or both (a flat name wins over its section's). An unknown key is an error listing
+        the valid ones.
+
+        >>> PipelineConfig.from_dict({"source": {"group_size": 2}, "batch_size": 4}).group_size
+        2
+        """
+        if not isinstance(data, Mapping):
             raise ValueError(
-                "PipelineConfig.filter was renamed: filter='zero_variance' is now "
-                "drop_group='zero_variance' (True drops, as ROLL's filter()); a predicate "
-                "that returns True to keep a group goes to keep_group"
+                "PipelineConfig.from_dict needs a mapping of fields (YAML: 'key: value' "
+                f"lines or sections), got {type(data).__name__} {data!r:.200}"
             )
-        valid = sorted(f.name for f in attrs.fields(cls))
-        unknown = sorted(set(data) - set(valid))
-        if unknown:
-            raise ValueError(f"PipelineConfig: unknown keys {unknown}; valid keys: {valid}")
+        keys = [k for k in data if not isinstance(k, str)]
+        if keys:
+            raise ValueError(f"PipelineConfig.from_dict: keys must be str, got {keys[:5]!r}")
         return cls(**data)
 
+    def to_dict(self) -> dict[str, Any]:
+        """Sections as dicts of their fields, and the pipeline-wide fields (the reverse
+        of ``from_dict`` for plain values; ``sampling`` and ``envs`` stay records)."""
+        out: dict[str, Any] = {n: attrs.asdict(getattr(self, n), recurse=False) for n in SECTIONS}
+        return {**out, **{k: getattr(self, k) for k in WIDE}}
+
     def replace(self, **changes: Any) -> PipelineConfig:
-        return attrs.evolve(self, **changes)
+        """A copy with ``changes``: flat names, pipeline-wide fields or sections. A
+        section given as a record replaces it; as a mapping, it updates the fields named.
+
+        >>> PipelineConfig().replace(max_turns=2, rollout={"concurrency": 8}).concurrency
+        8
+        """
+        current = self.to_dict()
+        for name in SECTIONS:
+            given = changes.get(name)
+            if isinstance(given, Mapping):
+                changes = {**changes, name: {**current[name], **given}}
+        return PipelineConfig(**{**current, **changes})

@@ -157,11 +157,11 @@ class RolloutPipeline:
             return
         per_step = self.config.groups_per_step
         if size == -1:
-            groups = self.config.num_groups or 0
+            groups = self.config.source.num_groups or 0
         elif self.config.max_traj_per_env is None:
-            groups = size // self.config.group_size
+            groups = size // self.config.source.group_size
         else:
-            groups = max(size // self.config.group_size, per_step)
+            groups = max(size // self.config.source.group_size, per_step)
         if self._batches_granted == 0:
             groups += ratio * per_step
         self._batches_granted += 1
@@ -211,12 +211,12 @@ class RolloutPipeline:
         size = self.config.batch_size if batch_size is None else batch_size
         if isinstance(size, bool) or not isinstance(size, int):
             raise ValueError(f"get_batch: batch_size must be an int, got {size!r}")
-        if size != -1 and (size < 1 or size % self.config.group_size):
+        if size != -1 and (size < 1 or size % self.config.source.group_size):
             raise ValueError(
                 f"get_batch: batch_size={size} must be -1 or a positive multiple of "
-                f"group_size={self.config.group_size}"
+                f"group_size={self.config.source.group_size}"
             )
-        if size == -1 and self.config.num_groups is None:
+        if size == -1 and self.config.source.num_groups is None:
             raise ValueError("get_batch(-1) drains a finite source; set num_groups in the config")
         step = _global_step(data)
         self._check_open()

@@ -16,10 +16,11 @@ import psutil
 import pytest
 from torchdata.nodes import BaseNode, Loader
 
-from rollpipe.engines.records import EngineClosedError, EngineError
+from rollpipe.agent.episode import EpisodeSettings
+from rollpipe.engines.records import EngineClosedError, EngineError, SamplingParams
 from rollpipe.envs import FrozenLake, register
 from rollpipe.nodes.episode_source import EpisodeSource
-from rollpipe.nodes.rollout import Rollout
+from rollpipe.nodes.rollout import Rollout, RolloutSettings
 from rollpipe.pipeline import PipelineConfig, RolloutPipeline
 from rollpipe.runtime import RuntimeClosedError
 
@@ -241,7 +242,13 @@ class BlockingNode(BaseNode[Any]):
 def test_a_blocking_node_before_the_rollout_does_not_stall_generation(vllm_engine, tokenizer):
     release = threading.Event()
     source = BlockingNode(EpisodeSource(4, 2, seed=9), first=4, release=release)
-    rollout = Rollout(source, vllm_engine, tokenizer, max_turns=2, concurrency=8)
+    rollout = Rollout(
+        source,
+        vllm_engine,
+        tokenizer,
+        RolloutSettings(concurrency=8),
+        EpisodeSettings(max_turns=2, sampling=SamplingParams()),
+    )
     got: list[Any] = []
     loader = iter(Loader(rollout))
     consumer = threading.Thread(target=lambda: got.extend(next(loader) for _ in range(4)))

@@ -22,7 +22,7 @@ from rollpipe.agent.chat import ChatFormat
 from rollpipe.agent.env_errors import MAX_ERROR_CHARS, EnvFailed
 from rollpipe.agent.env_returns import EnvReturnError, check_reset, check_step, clip_reward
 from rollpipe.agent.env_threads import EnvTimeoutError
-from rollpipe.agent.episode import run_episode
+from rollpipe.agent.episode import EpisodeSettings, run_episode
 from rollpipe.agent.records import EpisodeSpec
 from rollpipe.engines.records import SamplingParams
 from rollpipe.envs import FrozenLake, register
@@ -88,7 +88,13 @@ def test_a_malformed_return_fails_the_episode_naming_env_and_field(
     spec = EpisodeSpec(group_id=0, episode_id=0, seed=2, env="corrupt_lake")
     chat = ChatFormat(tokenizer)
     t = asyncio.run(
-        run_episode(spec, env, vllm_engine, chat, sampling=SAMPLING, max_turns=3, max_length=512)
+        run_episode(
+            spec,
+            env,
+            vllm_engine,
+            chat,
+            EpisodeSettings(sampling=SAMPLING, max_turns=3, max_length=512),
+        )
     )
     call, _, says = MODES[mode]
     assert t.end_reason == "error"
@@ -104,10 +110,9 @@ def test_a_malformed_return_fails_the_episode_naming_env_and_field(
                 env,
                 vllm_engine,
                 chat,
-                sampling=SAMPLING,
-                max_turns=3,
-                max_length=512,
-                raise_env_errors=True,
+                EpisodeSettings(
+                    sampling=SAMPLING, max_turns=3, max_length=512, raise_env_errors=True
+                ),
             )
         )
     # re-raised as itself (the type a user catches), with a note saying where

@@ -16,7 +16,7 @@ from waiting import wait_until
 
 from rollpipe._utils.seeding import derive_seed
 from rollpipe.agent.chat import ChatFormat
-from rollpipe.agent.episode import run_episode
+from rollpipe.agent.episode import EpisodeSettings, run_episode
 from rollpipe.agent.records import EpisodeSpec, Trajectory
 from rollpipe.data.padding import position_ids_from_mask, unpad_rows
 from rollpipe.data.rows import step_rows, trajectory_rows
@@ -159,9 +159,7 @@ def test_episodes_run_token_exact(hf_engine: Any, tokenizer: Any) -> None:
                     env,
                     hf_engine,
                     chat,
-                    sampling=SAMPLING,
-                    max_turns=3,
-                    max_length=512,
+                    EpisodeSettings(sampling=SAMPLING, max_turns=3, max_length=512),
                     env_id=i,
                     admit=admit,
                 )
@@ -195,7 +193,11 @@ def test_same_spec_reproduces_and_group_members_differ(hf_engine: Any, tokenizer
     def once(s: EpisodeSpec) -> Trajectory:
         return run(
             run_episode(
-                s, RecordingLake(), hf_engine, chat, sampling=SAMPLING, max_turns=2, max_length=512
+                s,
+                RecordingLake(),
+                hf_engine,
+                chat,
+                EpisodeSettings(sampling=SAMPLING, max_turns=2, max_length=512),
             )
         )
 
@@ -210,7 +212,11 @@ def test_first_prompt_longer_than_budget_ends_cleanly(hf_engine: Any, tokenizer:
     chat = ChatFormat(tokenizer)
     t = run(
         run_episode(
-            spec(), RecordingLake(), hf_engine, chat, sampling=SAMPLING, max_turns=4, max_length=20
+            spec(),
+            RecordingLake(),
+            hf_engine,
+            chat,
+            EpisodeSettings(sampling=SAMPLING, max_turns=4, max_length=20),
         )
     )
     assert t.end_reason == "max_length" and t.turns == () and t.error is None
@@ -229,10 +235,7 @@ def test_length_budget_caps_every_turn(hf_engine: Any, tokenizer: Any) -> None:
             RecordingLake(),
             hf_engine,
             chat,
-            sampling=params,
-            max_turns=5,
-            max_length=budget,
-            on_length="step",
+            EpisodeSettings(sampling=params, max_turns=5, max_length=budget, on_length="step"),
         )
     )
     total = sum(len(u.prompt_ids) + len(u.response_ids) for u in t.turns)
@@ -255,7 +258,11 @@ def test_response_cut_at_max_tokens(hf_engine: Any, tokenizer: Any, on_length: s
         kw["length_penalty"] = -0.5
     t = run(
         run_episode(
-            spec(), env, hf_engine, chat, sampling=params, max_turns=3, max_length=512, **kw
+            spec(),
+            env,
+            hf_engine,
+            chat,
+            EpisodeSettings(sampling=params, max_turns=3, max_length=512, **kw),
         )
     )
     assert all(u.length_cut and len(u.response_ids) == 4 for u in t.turns)
@@ -277,32 +284,43 @@ def test_response_cut_at_max_tokens(hf_engine: Any, tokenizer: Any, on_length: s
     check_rows_against_envs([t], [env], tokenizer, chat)
 
 
-def test_on_length_arguments_are_checked(hf_engine: Any, tokenizer: Any) -> None:
+def test_on_length_arguments_are_checked() -> None:
+    # checked once, when the settings are built (run_episode trusts its record)
     kw: dict[str, Any] = {"sampling": SAMPLING, "max_turns": 1, "max_length": 512}
-    chat = ChatFormat(tokenizer)
     cases: list[tuple[dict[str, Any], str]] = [
-        ({"length_penalty": -0.5}, "length_penalty=-0.5 has no effect with on_length='step'"),
-        ({"on_length": "drop"}, "on_length must be one of"),
+        (
+            {"length_penalty": -0.5},
+            r"EpisodeSettings.length_penalty=-0.5 applies only to on_length='skip' or 'end'",
+        ),
+        ({"on_length": "drop"}, "EpisodeSettings.on_length must be one of"),
         (
             {"on_length": "skip", "length_penalty": float("nan")},
-            "length_penalty must be a finite number, got nan",
+            r"EpisodeSettings.length_penalty must be a finite number in \(-inf, inf\), got nan",
         ),
     ]
     for extra, message in cases:
         with pytest.raises(ValueError, match=message):
-            run(run_episode(spec(), RecordingLake(), hf_engine, chat, **kw, **extra))
+            EpisodeSettings(**kw, **extra)
 
 
 def test_malformed_env_metrics_are_an_env_error(hf_engine: Any, tokenizer: Any) -> None:
     chat = ChatFormat(tokenizer)
     kw: dict[str, Any] = {"sampling": SAMPLING, "max_turns": 3, "max_length": 512}
     env = BadMetricsLake()  # one step cannot end an episode on LAKE: the second always runs
-    t = run(run_episode(spec(), env, hf_engine, chat, **kw))
+    t = run(run_episode(spec(), env, hf_engine, chat, EpisodeSettings(**kw)))
     assert len(env.actions_seen) == 2 and t.end_reason == "error"
     assert "info['metrics']['note'] must be a number" in str(t.error)
     assert len(t.turns) == 2 and t.turns[1].stepped  # the env did step; its report was bad
     with pytest.raises(ValueError, match=r"\['note'\] must be a number"):
-        run(run_episode(spec(), BadMetricsLake(), hf_engine, chat, **kw, raise_env_errors=True))
+        run(
+            run_episode(
+                spec(),
+                BadMetricsLake(),
+                hf_engine,
+                chat,
+                EpisodeSettings(**kw, raise_env_errors=True),
+            )
+        )
 
 
 @pytest.mark.parametrize("fail_at", [0, 2])
@@ -315,10 +333,7 @@ def test_env_error_is_recorded(hf_engine: Any, tokenizer: Any, fail_at: int) -> 
             env,
             hf_engine,
             chat,
-            sampling=SAMPLING,
-            max_turns=4,
-            max_length=512,
-            on_length="step",
+            EpisodeSettings(sampling=SAMPLING, max_turns=4, max_length=512, on_length="step"),
         )
     )
     assert t.end_reason == "error"
@@ -339,11 +354,13 @@ def test_env_error_is_recorded(hf_engine: Any, tokenizer: Any, fail_at: int) -> 
                 FailingLake(1),
                 hf_engine,
                 chat,
-                sampling=SAMPLING,
-                max_turns=4,
-                max_length=512,
-                on_length="step",
-                raise_env_errors=True,
+                EpisodeSettings(
+                    sampling=SAMPLING,
+                    max_turns=4,
+                    max_length=512,
+                    on_length="step",
+                    raise_env_errors=True,
+                ),
             )
         )
 
@@ -360,9 +377,7 @@ def test_engine_error_propagates(tiny_model_path: Any, tokenizer: Any) -> None:
                 RecordingLake(),
                 engine,
                 ChatFormat(tokenizer),
-                sampling=SAMPLING,
-                max_turns=2,
-                max_length=512,
+                EpisodeSettings(sampling=SAMPLING, max_turns=2, max_length=512),
             )
         )
 
@@ -371,8 +386,8 @@ def test_async_env_matches_blocking_env(hf_engine: Any, tokenizer: Any) -> None:
     chat = ChatFormat(tokenizer)
     sync_env, async_env = RecordingLake(), AsyncLake()
     kw: dict[str, Any] = {"sampling": SAMPLING, "max_turns": 2, "max_length": 512}
-    a = run(run_episode(spec(3), sync_env, hf_engine, chat, **kw))
-    b = run(run_episode(spec(3), async_env, hf_engine, chat, **kw))
+    a = run(run_episode(spec(3), sync_env, hf_engine, chat, EpisodeSettings(**kw)))
+    b = run(run_episode(spec(3), async_env, hf_engine, chat, EpisodeSettings(**kw)))
     assert [u.response_ids for u in a.turns] == [u.response_ids for u in b.turns]
     assert sync_env.actions_seen == async_env.inner.actions_seen
 
@@ -381,7 +396,13 @@ def test_window_mode_prompts_are_rebuilt_each_turn(hf_engine: Any, tokenizer: An
     chat = ChatFormat(tokenizer, history_window=1)
     env = RecordingLake()
     t = run(
-        run_episode(spec(), env, hf_engine, chat, sampling=SAMPLING, max_turns=3, max_length=400)
+        run_episode(
+            spec(),
+            env,
+            hf_engine,
+            chat,
+            EpisodeSettings(sampling=SAMPLING, max_turns=3, max_length=400),
+        )
     )
     assert t.history_window == 1
     for k, u in enumerate(t.turns):
@@ -422,11 +443,8 @@ def test_abort_regenerates_the_same_turn(hf_engine: Any, tokenizer: Any) -> None
             RecordingLake(),
             hf_engine,
             ChatFormat(tokenizer),
-            sampling=params,
-            max_turns=1,
-            max_length=1024,
+            EpisodeSettings(sampling=params, max_turns=1, max_length=1024, on_length="step"),
             admit=admit,
-            on_length="step",
         )
     )
     assert calls == 2  # admitted again before the regeneration
@@ -449,9 +467,7 @@ def test_end_to_end_vllm_frozenlake_rows(vllm_engine: Any, tokenizer: Any) -> No
                     env,
                     vllm_engine,
                     chat,
-                    sampling=sampling,
-                    max_turns=3,
-                    max_length=600,
+                    EpisodeSettings(sampling=sampling, max_turns=3, max_length=600),
                     env_id=i,
                 )
                 for i, env in enumerate(envs)

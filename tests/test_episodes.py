@@ -79,6 +79,6 @@ def test_bad_arguments_name_the_field():
     with pytest.raises(ValueError, match="weights must not all be 0"):
         EpisodeSource(1, 2, envs=[EnvChoice("frozenlake", weight=0.0)])
     with pytest.raises(
-        ValueError, match=r"EnvChoice.weight must be a number in \[0.0, inf\], got -1.0"
+        ValueError, match=r"EnvChoice.weight must be a finite number in \[0.0, inf\), got -1.0"
     ):
         EnvChoice("frozenlake", weight=-1.0)

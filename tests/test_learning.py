@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rollpipe.agent.chat import ChatFormat
-from rollpipe.agent.episode import run_episode
+from rollpipe.agent.episode import EpisodeSettings, run_episode
 from rollpipe.agent.records import EpisodeSpec
 from rollpipe.config import PipelineConfig
 from rollpipe.engines.records import Generation, SamplingParams
@@ -69,9 +69,9 @@ def test_expert_episodes_are_the_ids_the_pipeline_sends(tokenizer: Any, env_cls:
                 env_cls(),
                 engine,
                 chat,
-                sampling=config.sampling,
-                max_turns=6,
-                max_length=config.max_length,
+                EpisodeSettings(
+                    sampling=config.sampling, max_turns=6, max_length=config.max_length
+                ),
             )
         )
         sent = [t for turn in trajectory.turns for t in (*turn.prompt_ids, *turn.response_ids)]

@@ -11,8 +11,10 @@ import pytest
 import torch
 from waiting import wait_until
 
+from rollpipe.agent.episode import EpisodeSettings
 from rollpipe.envs import FrozenLake, register
 from rollpipe.nodes.episode_source import EpisodeSource
+from rollpipe.nodes.rollout import RolloutSettings
 from rollpipe.pipeline import PipelineConfig, RolloutPipeline
 from rollpipe.runtime import Runtime
 
@@ -304,9 +306,8 @@ def test_user_nodes_between_stages_and_stages_alone(vllm_engine, tokenizer):
         batch = pipe.get_batch()
     assert sorted(seen) == sorted(batch.non_tensor_batch["traj_uid"])
 
-    rollout = Rollout(
-        EpisodeSource(1, 3, seed=1), vllm_engine, tokenizer, max_turns=1, sampling=config().sampling
-    )
+    episode = EpisodeSettings(max_turns=1, sampling=config().episode.sampling)
+    rollout = Rollout(EpisodeSource(1, 3, seed=1), vllm_engine, tokenizer, episode=episode)
     trajectories = list(Loader(rollout))
     rollout.close()
     assert [t.episode_id for t in trajectories] == [0, 1, 2]
@@ -383,9 +384,8 @@ def test_env_calls_run_inline_or_on_the_env_pool(vllm_engine, tokenizer, workers
         EpisodeSource(2, 2, seed=1, envs="thread_noting_lake"),
         engine,
         tokenizer,
-        max_turns=2,
-        sampling=config().sampling,
-        env_workers=workers,
+        RolloutSettings(env_workers=workers),
+        EpisodeSettings(max_turns=2, sampling=config().episode.sampling),
     )
     try:
         assert len(list(Loader(rollout))) == 4
@@ -409,7 +409,8 @@ def test_asking_for_data_on_the_engine_loop_raises_not_hangs(vllm_engine, tokeni
 
     from rollpipe.nodes.rollout import Rollout
 
-    rollout = Rollout(EpisodeSource(1, 2, seed=1), vllm_engine, tokenizer, max_turns=1)
+    episode = EpisodeSettings(max_turns=1)
+    rollout = Rollout(EpisodeSource(1, 2, seed=1), vllm_engine, tokenizer, episode=episode)
     rollout.reset()
 
     async def next_on_engine_loop():
@@ -437,7 +438,8 @@ def test_asking_for_data_on_the_engine_loop_raises_not_hangs(vllm_engine, tokeni
     ],
 )
 def test_bad_config_values_name_the_field(field: str, value: object) -> None:
-    with pytest.raises(ValueError, match=rf"PipelineConfig\.{field}.*{re.escape(repr(value))}"):
+    named = r"(PipelineConfig|EpisodeSettings|RolloutSettings)"
+    with pytest.raises(ValueError, match=rf"{named}\.{field}.*{re.escape(repr(value))}"):
         PipelineConfig(**{field: value})
 
 

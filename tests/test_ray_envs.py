@@ -28,7 +28,7 @@ from rollpipe.nodes.closing import close_chain
 from rollpipe.nodes.collate import Collate
 from rollpipe.nodes.episode_source import EnvChoice, EpisodeSource
 from rollpipe.nodes.groups import GroupAssembler
-from rollpipe.nodes.rollout import Rollout
+from rollpipe.nodes.rollout import Rollout, RolloutSettings
 from rollpipe.nodes.signals import RolloutControl
 from rollpipe.pipeline import PipelineConfig
 
@@ -123,16 +123,14 @@ def run_chain(
     → Collate, as ``build_nodes`` wires it), then the chain closed. Every trajectory the
     rollout yields is appended to ``trajectories``."""
     signals = RolloutControl()
-    chat = ChatFormat(tokenizer, system_prompt=cfg.system_prompt)
-    source = EpisodeSource(cfg.num_groups, cfg.group_size, cfg.seed, cfg.envs, control=signals)
+    chat = ChatFormat(tokenizer, system_prompt=cfg.episode.system_prompt)
+    source = EpisodeSource.from_settings(cfg.source, control=signals)
     rollout = Rollout(
         source,
         engine,
         chat,
-        sampling=cfg.sampling,
-        max_turns=cfg.max_turns,
-        max_length=cfg.max_length,
-        concurrency=cfg.concurrency,
+        RolloutSettings(concurrency=cfg.rollout.concurrency),
+        cfg.episode,
         env_factory=env_factory,
         control=signals,
     )

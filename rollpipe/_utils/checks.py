@@ -17,31 +17,58 @@ __all__ = [
     "float_in",
     "instance_of",
     "int_at_least",
+    "int_in",
     "one_of",
     "optional",
+    "seconds_or_none",
 ]
 
 optional = attrs.validators.optional
 
 
-def check_int(name: str, value: object, minimum: int = 0) -> int:
-    """``value`` if it is an ``int`` (not a bool) ``>= minimum``, else a ValueError naming it."""
+def check_int(name: str, value: object, minimum: int = 0, maximum: int | None = None) -> int:
+    """``value`` if it is an ``int`` (not a bool) in ``[minimum, maximum]``, else a
+    ValueError naming it and quoting the range."""
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
+        bound = f">= {minimum}"
+    elif maximum is not None and value > maximum:
+        bound = f"<= {maximum}"
+    else:
+        return value
+    try:
+        shown = repr(value)
+    except ValueError:  # an int over Python's 4300-digit str limit
+        shown = f"an int of about {int(value.bit_length() * 0.30103)} digits"  # type: ignore[attr-defined]
+    accepted = "" if maximum is None else f" (accepted: [{minimum}, {maximum}])"
+    raise ValueError(f"{name} must be an int {bound}, got {shown}{accepted}")
+
+
+MAX_TIMEOUT_S = 1e6
+"""The longest finite time limit accepted (11.6 days; None means no limit): larger ones
+overflow thread waits (``threading.TIMEOUT_MAX``) and are no limit in practice."""
 
 
 def check_timeout(name: str, value: object) -> float | None:
-    """``value`` if it is None (no limit) or a finite number of seconds > 0, else a
-    ValueError naming it."""
+    """``value`` if it is None (no limit) or a number of seconds in ``(0, MAX_TIMEOUT_S]``,
+    else a ValueError naming it."""
     if value is None:
         return None
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not (ok and math.isfinite(value) and value > 0):  # type: ignore[operator, arg-type]
+    if not (ok and 0 < value <= MAX_TIMEOUT_S):  # type: ignore[operator]
         raise ValueError(
-            f"{name} must be None (no limit) or a number of seconds in (0, inf), got {value!r}"
+            f"{name} must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], or None for no "
+            f"limit, got {value!r}"
         )
     return float(value)  # type: ignore[arg-type]
+
+
+def seconds_or_none() -> Any:
+    """attrs validator: None (no limit) or a number of seconds in ``(0, MAX_TIMEOUT_S]``."""
+
+    def check(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+        check_timeout(f"{type(inst).__name__}.{attr.name}", value)
+
+    return check
 
 
 def int_at_least(low: int) -> Any:
@@ -53,17 +80,28 @@ def int_at_least(low: int) -> Any:
     return check
 
 
+def int_in(low: int, high: int) -> Any:
+    """An ``int`` (not a bool) in ``[low, high]``: a bound that keeps memory and time finite."""
+
+    def check(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+        check_int(f"{type(inst).__name__}.{attr.name}", value, low, high)
+
+    return check
+
+
 def float_in(low: float, high: float = math.inf, *, low_open: bool = False) -> Any:
-    """A finite number in ``[low, high]`` (``(low, high]`` with ``low_open``)."""
+    """A finite number in ``[low, high]`` (``(low, high]`` with ``low_open``); the message
+    quotes the range enforced (an infinite end is open: inf itself is rejected)."""
+    lo = "(" if low_open or math.isinf(low) else "["
+    hi = ")" if math.isinf(high) else "]"
 
     def check(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         ok = ok and math.isfinite(value) and (low < value if low_open else low <= value)
         if not (ok and value <= high):
-            lo = "(" if low_open else "["
             raise ValueError(
-                f"{type(inst).__name__}.{attr.name} must be a number in {lo}{low}, {high}], "
-                f"got {value!r}"
+                f"{type(inst).__name__}.{attr.name} must be a finite number in "
+                f"{lo}{low}, {high}{hi}, got {value!r}"
             )
 
     return check

@@ -35,35 +35,28 @@ env managers do (see :mod:`rollpipe.envs.metrics`).
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import inspect
-import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, Literal, TypeVar
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Literal
 
+import attrs
+
+from rollpipe._utils.checks import float_in, instance_of, int_in, one_of, optional, seconds_or_none
 from rollpipe._utils.seeding import derive_seed
-from rollpipe.agent.chat import ChatFormat
+from rollpipe.agent.chat import DEFAULT_SYSTEM_PROMPT, ChatFormat
+from rollpipe.agent.env_caller import Clock, EnvCaller
 from rollpipe.agent.env_errors import EnvFailed
 from rollpipe.agent.env_returns import check_reset, check_step, clip_reward
-from rollpipe.agent.env_threads import EnvLease, EnvThreads, EnvTimeoutError
+from rollpipe.agent.env_threads import EnvLease, EnvThreads
 from rollpipe.agent.generation_timeout import GenerationTimeoutError, answer_within
 from rollpipe.agent.records import EndReason, EpisodeSpec, Trajectory, Turn
 from rollpipe.engines.protocol import Engine
 from rollpipe.engines.records import EngineError, Generation, SamplingParams
 from rollpipe.engines.routing import Session, in_session
-from rollpipe.envs.base import is_blocking
 from rollpipe.envs.metrics import aggregate_metrics, step_metrics
 
-T = TypeVar("T")
-_log = logging.getLogger(__name__)
-
-SLOW_INLINE_S = 0.05
-"""An inline (``blocking = False``) env call longer than this is reported, once per class:
-the grid envs take microseconds, and every episode waits while one runs."""
-_SLOW_INLINE_REPORTED: set[type] = set()
 OnLength = Literal["step", "skip", "end"]
 ON_LENGTH: tuple[str, ...] = ("step", "skip", "end")
 DEFAULT_LENGTH_PENALTY = -0.1
@@ -71,90 +64,92 @@ DEFAULT_LENGTH_PENALTY = -0.1
 
 
 DEFAULT_ENV_TIMEOUT_S = 60.0
-"""Default limit of one ``reset`` / ``step`` call (``PipelineConfig.env_timeout_s``)."""
+"""Default limit of one ``reset`` / ``step`` call (``EpisodeSettings.env_timeout_s``)."""
+MAX_TURNS = 65536
+MAX_LENGTH = 2**24
+MAX_WINDOW = 65536
+MAX_ABORTS = 10**6
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.env = 0.0
-        self.engine = 0.0
-        self.aborted_tokens = 0  # generated, then aborted by a pause and regenerated
-        self.clipped_rewards = 0  # step rewards clipped to ±reward_clip
+def _sampling(value: SamplingParams | Mapping[str, Any]) -> SamplingParams:
+    if isinstance(value, SamplingParams):
+        return value
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            f"EpisodeSettings.sampling must be a SamplingParams or a dict of its fields "
+            f"(e.g. {{'max_tokens': 48}}), got {value!r}"
+        )
+    valid = sorted(f.name for f in attrs.fields(SamplingParams))
+    unknown = sorted(set(value) - set(valid))
+    if unknown:
+        raise ValueError(f"EpisodeSettings.sampling: unknown keys {unknown}; valid keys: {valid}")
+    try:
+        return SamplingParams(**value)
+    except ValueError as exc:
+        raise ValueError(f"EpisodeSettings.sampling: {exc}") from exc
 
 
-class _EnvCaller:
-    """How one episode calls its env: awaited (async env), inline (declared
-    ``blocking = False``) or on ``threads`` (any other), each call limited to ``timeout``
-    seconds and its return ``check``ed. Any failure becomes ``EnvFailed``."""
+_STR_OR_NONE: Any = optional(instance_of(str))
 
-    def __init__(
-        self,
-        env: Any,
-        spec: EpisodeSpec,
-        threads: EnvThreads,
-        timeout: float | None,
-        lease: EnvLease | None,
-        force_threads: bool,
-        clock: _Clock,
-    ) -> None:
-        self.env, self.spec, self.threads, self.timeout = env, spec, threads, timeout
-        self.lease, self.clock = lease, clock
-        self.inline = not force_threads and not is_blocking(env)
 
-    def episode(self, turn: int) -> str:
-        spec = self.spec
-        return f"env {spec.env!r}, seed {spec.seed}, episode {spec.episode_id}, turn {turn}"
+@attrs.frozen(kw_only=True)
+class EpisodeSettings:
+    """How one episode runs (``PipelineConfig.episode``), checked here once.
 
-    def where(self, name: str, turn: int) -> str:
-        limit = f", env_timeout_s={self.timeout}" if self.timeout is not None else ""
-        return f"{type(self.env).__name__}.{name}: {self.episode(turn)}{limit}"
+    ``max_turns``: turns before the episode ends with ``"max_turns"``. ``max_length``:
+    token budget of a trajectory (prompts plus responses; of each step prompt plus
+    response in window mode). ``sampling``: a ``SamplingParams`` or a dict of its fields.
+    ``system_prompt`` / ``history_window``: the chat format (:meth:`chat_format`; a
+    window ``k`` gives step prompts with the last ``k`` turns). ``env_timeout_s``: limit
+    of one env ``reset`` / ``step`` call (None: no limit). ``generation_timeout_s``: limit
+    of one engine request, time paused not counted (None: no limit). ``reward_clip``:
+    clip step rewards to ``±c`` (None: a reward not finite in float32 fails the
+    episode). ``raise_env_errors``: re-raise env exceptions instead of recording errored
+    trajectories. ``on_length`` / ``length_penalty``: what a response cut at
+    ``max_tokens`` does (see the module doc). ``max_aborts``: times one request may be
+    aborted by pauses in a row before the episode gives up.
+    """
 
-    async def __call__(self, name: str, turn: int, check: Callable[[Any], T], arg: Any) -> T:
-        fn = getattr(self.env, name)
-        start = time.perf_counter()
-        try:
-            if inspect.iscoroutinefunction(fn):
-                result = await self._awaited(fn(arg))
-            elif self.inline:  # declared fast: cheaper than a thread hop
-                result = fn(arg)
-                self._check_inline_time(time.perf_counter() - start)
-            else:
-                if self.lease is not None:
-                    self.lease.call_started()
-                on_return = None if self.lease is None else self.lease.call_returned
-                result = await self.threads.call(fn, arg, timeout=self.timeout, on_return=on_return)
-            return check(await self._awaited(result) if inspect.isawaitable(result) else result)
-        except Exception as exc:  # the env's failure, whatever it is
-            raise EnvFailed(exc, self.where(name, turn)) from exc
-        finally:
-            self.clock.env += time.perf_counter() - start
+    max_turns: int = attrs.field(default=5, validator=int_in(1, MAX_TURNS))
+    max_length: int = attrs.field(default=1024, validator=int_in(2, MAX_LENGTH))
+    sampling: SamplingParams = attrs.field(
+        factory=lambda: SamplingParams(max_tokens=48), converter=_sampling
+    )
+    system_prompt: str | None = attrs.field(default=DEFAULT_SYSTEM_PROMPT, validator=_STR_OR_NONE)
+    history_window: int | None = attrs.field(
+        default=None, validator=optional(int_in(0, MAX_WINDOW))
+    )
+    env_timeout_s: float | None = attrs.field(
+        default=DEFAULT_ENV_TIMEOUT_S, validator=seconds_or_none()
+    )
+    generation_timeout_s: float | None = attrs.field(default=None, validator=seconds_or_none())
+    reward_clip: float | None = attrs.field(
+        default=None, validator=optional(float_in(0.0, low_open=True))
+    )
+    raise_env_errors: bool = attrs.field(default=False, validator=instance_of(bool))
+    on_length: OnLength = attrs.field(default="step", validator=one_of(*ON_LENGTH))
+    length_penalty: float | None = attrs.field(
+        default=None, validator=optional(float_in(-math.inf))
+    )
+    max_aborts: int = attrs.field(default=1000, validator=int_in(0, MAX_ABORTS))
 
-    async def _awaited(self, awaitable: Any) -> Any:
-        if self.timeout is None:
-            return await awaitable
-        try:
-            return await asyncio.wait_for(awaitable, self.timeout)
-        except TimeoutError:
-            raise EnvTimeoutError(f"no return within {self.timeout} s") from None
-
-    def _check_inline_time(self, elapsed: float) -> None:
-        cls = type(self.env)
-        if self.timeout is not None and elapsed > self.timeout:
-            raise EnvTimeoutError(
-                f"took {elapsed:.2f} s inline on the event loop (over {self.timeout} s), "
-                f"stalling every episode: {cls.__qualname__} declares blocking = False; "
-                "remove that declaration so its calls run on env threads"
+    def __attrs_post_init__(self) -> None:
+        if self.on_length == "step" and self.length_penalty is not None:
+            raise ValueError(
+                f"EpisodeSettings.length_penalty={self.length_penalty} applies only to "
+                "on_length='skip' or 'end'; with 'step' the env alone rewards a cut response"
             )
-        if elapsed > SLOW_INLINE_S and cls not in _SLOW_INLINE_REPORTED:
-            _SLOW_INLINE_REPORTED.add(cls)
-            _log.warning(
-                "%s.%s declares blocking = False but one call took %.3f s inline on the "
-                "event loop, stalling every episode and the engine meanwhile; remove that "
-                "declaration so its calls run on env threads (reported once per class)",
-                cls.__module__,
-                cls.__qualname__,
-                elapsed,
-            )
+
+    @property
+    def cut_turn_reward(self) -> float:
+        """The reward of a cut turn under ``on_length="skip"`` / ``"end"``."""
+        return DEFAULT_LENGTH_PENALTY if self.length_penalty is None else self.length_penalty
+
+    def chat_format(self, tokenizer: Any) -> ChatFormat:
+        """The :class:`ChatFormat` these settings describe, for ``tokenizer``."""
+        return ChatFormat(
+            tokenizer, system_prompt=self.system_prompt, history_window=self.history_window
+        )
 
 
 async def _generate(
@@ -163,7 +158,7 @@ async def _generate(
     params: SamplingParams,
     admit: Callable[[], Awaitable[None]] | None,
     max_aborts: int,
-    clock: _Clock,
+    clock: Clock,
     session: Session,
     limit: float | None = None,
 ) -> Generation:
@@ -210,24 +205,21 @@ async def run_episode(
     env: Any,
     engine: Engine,
     chat: ChatFormat,
+    settings: EpisodeSettings,
     *,
-    sampling: SamplingParams,
-    max_turns: int,
-    max_length: int,
-    env_id: int = 0,
     admit: Callable[[], Awaitable[None]] | None = None,
     env_threads: EnvThreads | None = None,
-    env_timeout_s: float | None = DEFAULT_ENV_TIMEOUT_S,
     env_lease: EnvLease | None = None,
     env_calls_on_threads: bool = False,
-    generation_timeout_s: float | None = None,
-    reward_clip: float | None = None,
-    raise_env_errors: bool = False,
-    on_length: OnLength = "step",
-    length_penalty: float | None = None,
-    max_aborts: int = 1000,
+    env_id: int = 0,
 ) -> Trajectory:
     """Run one episode of ``env`` (a TextEnv or AsyncTextEnv) with ``engine``; see module doc.
+
+    ``settings`` (an :class:`EpisodeSettings`, checked when it was built) say how:
+    turns, token budget, sampling, timeouts, reward and length handling. The keywords
+    are runtime wiring only. ``chat`` formats the prompts (its
+    ``system_prompt`` and ``history_window`` are used, not those of ``settings``: build
+    it with ``settings.chat_format(tokenizer)``).
 
     ``env.reset(spec.seed)`` starts it (group members share the seed, hence the start
     state); turn ``t`` samples with seed ``derive_seed(spec.seed, spec.episode_id, t)``.
@@ -236,44 +228,23 @@ async def run_episode(
     ``min(sampling.max_tokens, budget left)``; the template's end-of-turn token is added
     to ``stop_token_ids`` (unless ``ignore_eos``). ``admit()`` is awaited before every
     engine request. Engines that return no logprobs get 0.0 per token. The env is not
-    closed (the caller owns it). ``length_penalty`` (default ``DEFAULT_LENGTH_PENALTY``)
-    is the reward of a cut turn under ``on_length="skip"``/``"end"``; with ``"step"``
-    giving one is an error, since the env alone rewards a cut response there.
+    closed (the caller owns it).
 
     Env calls: see the module doc. Without ``env_threads`` a blocking env gets one
     thread of its own for this episode. ``env_lease`` (the rollout's) is told when a call
     on a thread starts and returns, so the env is reused only once no call of it runs;
     ``env_calls_on_threads`` sends even ``blocking = False`` envs to the threads.
-    ``reward_clip``, ``generation_timeout_s``: see ``PipelineConfig``.
+    ``env_id`` is the env instance's id, reported in the rows.
     """
-    if reward_clip is not None and not (
-        isinstance(reward_clip, (int, float)) and 0 < reward_clip < math.inf
-    ):
-        raise ValueError(f"reward_clip must be a number > 0 or None, got {reward_clip!r}")
-    for name, limit in (
-        ("env_timeout_s", env_timeout_s),
-        ("generation_timeout_s", generation_timeout_s),
-    ):
-        if limit is not None and not (isinstance(limit, (int, float)) and 0 < limit < math.inf):
-            raise ValueError(f"{name} must be a number of seconds > 0 or None, got {limit!r}")
-    if max_turns < 1:
-        raise ValueError(f"max_turns must be >= 1, got {max_turns}")
-    if max_length < 2:
-        raise ValueError(f"max_length must be >= 2 tokens, got {max_length}")
-    if on_length not in ON_LENGTH:
-        raise ValueError(f"on_length must be one of {ON_LENGTH}, got {on_length!r}")
-    if on_length == "step" and length_penalty is not None:
-        raise ValueError(
-            f"length_penalty={length_penalty} has no effect with on_length='step' (the env "
-            "rewards a cut response); use on_length='skip' or 'end', or drop length_penalty"
-        )
-    penalty = DEFAULT_LENGTH_PENALTY if length_penalty is None else float(length_penalty)
-    if not math.isfinite(penalty):
-        raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
-    clock = _Clock()
+    s = settings
+    sampling, reward_clip, on_length = s.sampling, s.reward_clip, s.on_length
+    penalty = s.cut_turn_reward
+    clock = Clock()
     own_threads = env_threads is None  # run_episode alone: one thread, if the env blocks
     threads = EnvThreads(1, "rollpipe-episode-env") if env_threads is None else env_threads
-    call_env = _EnvCaller(env, spec, threads, env_timeout_s, env_lease, env_calls_on_threads, clock)
+    call_env = EnvCaller(
+        env, spec, threads, s.env_timeout_s, env_lease, env_calls_on_threads, clock
+    )
 
     def checked_step(result: Any) -> tuple[str, float, bool, bool, Any]:
         if reward_clip is not None:
@@ -320,10 +291,10 @@ async def run_episode(
         reset = functools.partial(check_reset, env)
         observation, info = await call_env("reset", 0, reset, spec.seed)
         success = bool(info.get("success", False))
-        for t in range(max_turns):
+        for t in range(s.max_turns):
             added = chat.turn_prompt(observation, turns)
             prompt = added if windowed else [*context, *added]
-            budget = max_length - len(prompt)
+            budget = s.max_length - len(prompt)
             if budget < 1:
                 end_reason = "max_length"
                 break
@@ -333,8 +304,9 @@ async def run_episode(
                 stop_token_ids=stop_ids,
             )
             try:
+                limit = s.generation_timeout_s
                 gen = await _generate(
-                    engine, prompt, params, admit, max_aborts, clock, session, generation_timeout_s
+                    engine, prompt, params, admit, s.max_aborts, clock, session, limit
                 )
             except GenerationTimeoutError as exc:
                 where = f"engine request: {call_env.episode(t)}"
@@ -367,7 +339,7 @@ async def run_episode(
                 end_reason = "terminated" if terminated else "truncated"
                 break
     except EnvFailed as failed:
-        if raise_env_errors:
+        if s.raise_env_errors:
             failed.reraise()
         end_reason, error, failure = "error", str(failed), failed
     finally:

@@ -1,11 +1,16 @@
 """Env registry: ``make("frozenlake", size=5)`` builds a registered env by name.
 
-An unknown name or config key fails with the list of valid ones (the keys come from the
-factory's signature), so a typo in a YAML config fails at once instead of being ignored.
+An env is named by a registered name or by an import path ``"package.module:Factory"``
+(a class or a callable returning a ``TextEnv``): a registered name is known only in the
+process that registered it, an import path resolves in any process (a Ray actor
+included). An unknown name or config key fails with the list of valid ones (the keys come
+from the factory's signature), so a typo in a YAML config fails at once instead of being
+ignored; ``check_env`` also builds one env, so a bad value of its own fails then too.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -49,14 +54,43 @@ def config_keys(name: str) -> list[str] | None:
     return [p.name for p in params if p.kind in kinds]
 
 
-def factory_of(name: str) -> EnvFactory:
-    """The factory registered as ``name``; an unknown name lists the registered ones."""
+def is_import_path(name: object) -> bool:
+    """Whether ``name`` names a factory by import path (``"package.module:Factory"``)."""
+    return isinstance(name, str) and ":" in name
+
+
+def _imported(path: str) -> EnvFactory:
+    module_name, _, attr = path.partition(":")
+    hint = "an import path is 'package.module:Factory' (a class or a callable returning an env)"
+    if not module_name or not attr:
+        raise EnvRegistryError(f"env {path!r}: {hint}")
     try:
-        return _REGISTRY[name]
-    except (KeyError, TypeError):
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except Exception as exc:  # not found, or the module failed to import
         raise EnvRegistryError(
-            f"unknown env {name!r}; available: {available()} (register(name, factory) adds one)"
-        ) from None
+            f"env {path!r}: cannot import it ({type(exc).__name__}: {exc}); {hint}, "
+            "importable in this process"
+        ) from exc
+    if not callable(obj):
+        raise EnvRegistryError(f"env {path!r} is {obj!r}, not callable; {hint}")
+    return obj  # type: ignore[no-any-return]
+
+
+def factory_of(name: str) -> EnvFactory:
+    """The factory registered as ``name``, or imported from an import path; an unknown
+    name lists the registered ones and says what to do."""
+    if isinstance(name, str) and name in _REGISTRY:
+        return _REGISTRY[name]
+    if is_import_path(name):
+        return _imported(name)
+    raise EnvRegistryError(
+        f"unknown env {name!r}; registered in this process: {available()}. Register it in "
+        "this process (rollpipe.envs.register(name, factory)) before building the config, "
+        "or name its factory by import path 'package.module:Factory', which resolves in "
+        "any process (a Ray actor included)"
+    )
 
 
 def check_config(name: str, config: dict[str, Any]) -> None:
@@ -70,9 +104,26 @@ def check_config(name: str, config: dict[str, Any]) -> None:
 
 
 def make(name: str, **config: Any) -> TextEnv | AsyncTextEnv:
-    """Build env ``name`` with ``config``; unknown names/keys list the valid ones."""
+    """Build env ``name`` (a registered name or an import path) with ``config``; unknown
+    names/keys list the valid ones."""
     check_config(name, config)
     return factory_of(name)(**config)
+
+
+def check_env(name: str, config: dict[str, Any]) -> None:
+    """Raise EnvRegistryError unless env ``name`` can be built with ``config``: the name
+    resolves, every key is one it takes, and one env built with it (then closed) accepts
+    its values (``size=-3`` fails here, naming the env, not at the first episode)."""
+    check_config(name, config)
+    try:
+        env = factory_of(name)(**config)
+    except Exception as exc:  # the env's own check of its config
+        raise EnvRegistryError(
+            f"env {name!r} rejects its config {config}: {type(exc).__name__}: {exc}"
+        ) from exc
+    close = getattr(env, "close", None)  # TextEnv.close is optional for user envs
+    if callable(close):
+        close()
 
 
 def _register_builtins() -> None:

@@ -11,9 +11,10 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
+import attrs
 from torchdata.nodes import BaseNode
 
-from rollpipe._utils.checks import check_int
+from rollpipe._utils.checks import check_int, int_in, one_of, optional
 from rollpipe.agent.records import Group, Trajectory
 from rollpipe.data.metrics import batch_metrics
 from rollpipe.data.proto import DataProto
@@ -21,6 +22,27 @@ from rollpipe.data.rows import step_rows, trajectory_rows
 from rollpipe.nodes.batch import TrajectoryBatch
 
 Level = Literal["trajectory", "step"]
+Layout = Literal["native", "roll", "verl"]
+MAX_PAD_MULTIPLE = 65536
+
+
+@attrs.frozen(kw_only=True)
+class CollateSettings:
+    """How trajectories become rows (``PipelineConfig.collate``), checked here once.
+
+    ``level``: ``"trajectory"`` (a row per episode; needs whole conversations, i.e.
+    ``EpisodeSettings.history_window=None``) or ``"step"`` (a row per turn, GiGPO style;
+    needs a ``history_window``). ``pad_to_multiple_of``: round the padded width up to a
+    multiple (at most ``MAX_PAD_MULTIPLE``; None: the longest row). ``layout``:
+    ``"native"`` rows, ``"roll"`` (``DataProto.to_roll()``) or ``"verl"`` (``to_verl()``,
+    needs verl), converted once per batch.
+    """
+
+    level: Level = attrs.field(default="trajectory", validator=one_of("trajectory", "step"))
+    pad_to_multiple_of: int | None = attrs.field(
+        default=None, validator=optional(int_in(1, MAX_PAD_MULTIPLE))
+    )
+    layout: Layout = attrs.field(default="native", validator=one_of("native", "roll", "verl"))
 
 
 def merge_tag_drops(groups: Iterable[Group]) -> dict[str, dict[str, int]]:
@@ -60,6 +82,18 @@ class Collate(BaseNode[DataProto]):
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
         self.level = level
+
+    @classmethod
+    def from_settings(
+        cls, source: BaseNode[Any], pad_token_id: int, settings: CollateSettings
+    ) -> Collate:
+        """The node ``settings`` describe (the layout is converted after it, by the chain)."""
+        return cls(
+            source,
+            pad_token_id,
+            pad_to_multiple_of=settings.pad_to_multiple_of,
+            level=settings.level,
+        )
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)

@@ -2,7 +2,10 @@
 
 All members of a group share one seed (so they start from the same state, as GRPO
 needs) and every seed derives from the one user seed, so the same config yields the
-same episodes in every run. The source is a counter, so its state is two integers.
+same episodes in every run. Its state is a counter (group, member) plus the metered
+budget (``budget``, ``grants``, ``step``, ``expired_groups``).
+
+:class:`SourceSettings` holds its settings (``PipelineConfig.source``), checked once.
 """
 
 from __future__ import annotations
@@ -14,10 +17,16 @@ import attrs
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from rollpipe._utils.checks import check_int, float_in
+from rollpipe._utils.checks import check_int, float_in, int_at_least, int_in, optional
 from rollpipe._utils.seeding import derive_seed
 from rollpipe.agent.records import EpisodeSpec
+from rollpipe.envs.registry import check_env
 from rollpipe.nodes.signals import RolloutControl
+
+MAX_GROUP_SIZE = 65536
+MAX_REDUNDANCY = 1024
+"""Extra members per group: each is run, then cancelled once ``group_size`` finished."""
+MAX_SEED = 2**63 - 1
 
 
 @attrs.frozen
@@ -44,6 +53,66 @@ def as_env_choices(envs: str | EnvChoice | Sequence[str | EnvChoice]) -> tuple[E
     if sum(c.weight for c in choices) <= 0:
         raise ValueError(f"envs: weights must not all be 0, got {[c.weight for c in choices]}")
     return choices
+
+
+_ENVS_HINT = (
+    "give an env name (registered, or an import path 'package.module:Factory'), an "
+    "EnvChoice, or a list of them or of dicts {name: ..., config: {...}, weight: 1.0, tag: ...}"
+)
+
+
+def _env_choice(value: Any) -> EnvChoice | str:
+    if isinstance(value, Mapping):
+        if not isinstance(value.get("config", {}), Mapping):
+            raise ValueError(f"an env's config must be a dict, got {value['config']!r}")
+        return EnvChoice(**value)
+    if not isinstance(value, (str, EnvChoice)):
+        raise ValueError(f"an env must be a name, an EnvChoice or a dict, got {value!r}")
+    return value
+
+
+def _envs(value: Any) -> tuple[EnvChoice, ...]:
+    if isinstance(value, (str, EnvChoice)):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"SourceSettings.envs: got {value!r}; {_ENVS_HINT}")
+    try:
+        return as_env_choices([_env_choice(v) for v in value])
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"SourceSettings.envs: {exc}; {_ENVS_HINT}") from exc
+
+
+def _buildable(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    """Each env resolves here and accepts its config: one is built (and closed) now."""
+    for choice in value:
+        try:
+            check_env(choice.name, dict(choice.config))
+        except ValueError as exc:
+            raise ValueError(f"SourceSettings.envs: {exc}") from exc
+
+
+@attrs.frozen(kw_only=True)
+class SourceSettings:
+    """What the :class:`EpisodeSource` yields (``PipelineConfig.source``), checked here once.
+
+    ``envs``: an env name, an :class:`EnvChoice`, or a list mixing several by weight
+    (YAML: ``[{name: sokoban, weight: 1, config: {dim_room: [6, 6]}}]``); a name is a
+    registered one or an import path ``"package.module:Factory"`` (resolvable in any
+    process, a Ray actor included). Each resolves and one env is built with its config
+    at construction, so a typo or a bad value of the env's own fails here.
+    ``group_size``: trajectories per group (GRPO's ``n``, at most ``MAX_GROUP_SIZE``).
+    ``num_groups``: groups to run (None: endless). ``redundancy``: extra members started
+    per group (at most ``MAX_REDUNDANCY``); the first ``group_size`` to finish win.
+    ``seed``: the one seed every episode derives from.
+    """
+
+    envs: tuple[EnvChoice, ...] = attrs.field(
+        default=("frozenlake",), converter=_envs, validator=_buildable
+    )
+    group_size: int = attrs.field(default=4, validator=int_in(1, MAX_GROUP_SIZE))
+    num_groups: int | None = attrs.field(default=None, validator=optional(int_at_least(1)))
+    redundancy: int = attrs.field(default=0, validator=int_in(0, MAX_REDUNDANCY))
+    seed: int = attrs.field(default=0, validator=int_in(0, MAX_SEED))
 
 
 class EpisodeSource(BaseNode[EpisodeSpec]):
@@ -105,6 +174,28 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
         self._grants: list[list[int]] = []  # metered: [groups not started, step] in order
         self._step = 0  # metered: the newest step a grant came with
         self.expired_groups = 0  # metered: granted groups that expired unstarted
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: SourceSettings,
+        *,
+        control: RolloutControl | None = None,
+        metered: bool = False,
+        expire_after: int | None = None,
+    ) -> EpisodeSource:
+        """The source ``settings`` describe, with the pipeline's wiring."""
+        s = settings
+        return cls(
+            s.num_groups,
+            s.group_size,
+            s.seed,
+            s.envs,
+            redundancy=s.redundancy,
+            control=control,
+            metered=metered,
+            expire_after=expire_after,
+        )
 
     @property
     def members_per_group(self) -> int:

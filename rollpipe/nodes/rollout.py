@@ -17,7 +17,8 @@ it. With ``in_order=True`` (as torchdata's ``ParallelMapper``) trajectories come
 admission order, which makes runs and checkpoint restores reproducible;
 ``in_order=False`` yields them as they finish. A checkpoint records the specs admitted
 but not yet yielded (as plain data); a restore re-runs them, and their derived seeds
-reproduce them.
+reproduce them. Its settings are a :class:`RolloutSettings` (this stage's) and an
+:class:`~rollpipe.agent.episode.EpisodeSettings` (each episode's), checked when built.
 """
 
 from __future__ import annotations
@@ -28,19 +29,19 @@ import contextlib
 import functools
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Literal
 
+import attrs
 from torchdata.nodes import BaseNode
 
-from rollpipe._utils.checks import check_int
+from rollpipe._utils.checks import instance_of, int_in, one_of, optional
 from rollpipe._utils.threads import shutdown_within
 from rollpipe.agent.chat import ChatFormat
 from rollpipe.agent.env_pool import EnvForSpec, EnvPool
 from rollpipe.agent.env_threads import EnvLease, EnvThreads
-from rollpipe.agent.episode import run_episode
+from rollpipe.agent.episode import EpisodeSettings, run_episode
 from rollpipe.agent.records import EpisodeSpec, Trajectory
 from rollpipe.engines.protocol import Engine
-from rollpipe.engines.records import SamplingParams
 from rollpipe.nodes.admitted import Admitted
 from rollpipe.nodes.closing import close_chain
 from rollpipe.nodes.signals import RolloutControl
@@ -48,6 +49,29 @@ from rollpipe.runtime import Runtime, RuntimeClosedError, Signal
 
 _END = object()  # the stream is over (a coroutine cannot raise StopIteration)
 CLOSE_WAIT_S = 0.5  # how long close() waits for episodes and threads to stop
+MAX_CONCURRENCY = 65536
+"""Episodes in flight (and env threads) at most: each holds a task, an env and buffers."""
+
+
+@attrs.frozen(kw_only=True)
+class RolloutSettings:
+    """How many episodes run at once and where their envs run (``PipelineConfig.rollout``).
+
+    ``concurrency``: episodes in flight at once (at most ``MAX_CONCURRENCY``).
+    ``env_workers``: threads for env calls, used by every ``TextEnv``; 0: one per episode
+    in flight, for envs that may block only (``blocking = False`` envs run inline).
+    ``env_backend``: ``"local"`` (envs in this process) or ``"ray"`` (each env slot's env
+    in a Ray actor, ``rollpipe.envs.ray_env``). ``in_order``: yield in admission order
+    (reproducible) or completion order; None (auto) is admission order here, and
+    ``PipelineConfig.admission_order`` resolves it for the standard chain.
+    """
+
+    concurrency: int = attrs.field(default=32, validator=int_in(1, MAX_CONCURRENCY))
+    env_workers: int = attrs.field(default=0, validator=int_in(0, MAX_CONCURRENCY))
+    env_backend: Literal["local", "ray"] = attrs.field(
+        default="local", validator=one_of("local", "ray")
+    )
+    in_order: bool | None = attrs.field(default=None, validator=optional(instance_of(bool)))
 
 
 class Rollout(BaseNode[Trajectory]):
@@ -56,21 +80,15 @@ class Rollout(BaseNode[Trajectory]):
     Args:
         source: node yielding :class:`EpisodeSpec` (usually an ``EpisodeSource``).
         engine: the generation engine (``VLLMEngine``, ``HFEngine``, ...).
-        chat: a :class:`ChatFormat`, or a tokenizer to build the default one from.
-        sampling: sampling parameters; per-turn seeds derive from the episode seed.
-        max_turns: turns before an episode ends with ``max_turns``.
-        max_length: token budget of a whole trajectory (prompts plus responses).
-        concurrency: episodes in flight at once.
+        chat: a :class:`ChatFormat` (used as is), or a tokenizer to build one from
+            ``episode``'s ``system_prompt`` and ``history_window``.
+        settings: a :class:`RolloutSettings` (concurrency, env threads, order).
+        episode: an :class:`EpisodeSettings`: how each episode runs.
         env_factory: builds an env for a spec (default: the registry). Instances are
             pooled and reused; ``env_ids`` in the rows name the instance.
-        env_workers: threads for env calls, used by every ``TextEnv``; 0 (default): one
-            per episode in flight, for envs that may block only (``blocking = False``
-            envs run inline on the loop).
-        in_order: yield in admission order (reproducible) or completion order.
         max_buffered: finished trajectories held, not yet yielded, before admission
             pauses (default ``4 * concurrency``).
         control: shared :class:`RolloutControl` (admission gate, cancelled groups).
-        episode_kwargs: passed to ``run_episode`` (``raise_env_errors``, ``on_length``...).
     """
 
     def __init__(
@@ -78,44 +96,29 @@ class Rollout(BaseNode[Trajectory]):
         source: BaseNode[EpisodeSpec],
         engine: Engine,
         chat: Any,
+        settings: RolloutSettings | None = None,
+        episode: EpisodeSettings | None = None,
         *,
-        sampling: SamplingParams | None = None,
-        max_turns: int = 5,
-        max_length: int = 1024,
-        concurrency: int = 32,
         env_factory: EnvForSpec | None = None,
-        env_workers: int = 0,
-        in_order: bool = True,
         max_buffered: int | None = None,
         control: RolloutControl | None = None,
-        **episode_kwargs: Any,
     ) -> None:
         super().__init__()
-        for name, value in (
-            ("max_turns", max_turns),
-            ("max_length", max_length),
-            ("concurrency", concurrency),
-        ):
-            check_int(f"Rollout: {name}", value, 1)
-        check_int("Rollout: env_workers (0: one per episode, blocking envs only)", env_workers, 0)
+        self.settings = RolloutSettings() if settings is None else settings
+        self.episode = EpisodeSettings() if episode is None else episode
+        self.concurrency = concurrency = self.settings.concurrency
         self.source = source
         self.engine = engine
-        self.chat = chat if isinstance(chat, ChatFormat) else ChatFormat(chat)
-        self.sampling = sampling or SamplingParams()
-        self.max_turns = max_turns
-        self.max_length = max_length
-        self.concurrency = concurrency
-        self.env_workers = env_workers
-        self.in_order = in_order
+        self.chat = chat if isinstance(chat, ChatFormat) else self.episode.chat_format(chat)
+        self.in_order = self.settings.in_order is not False  # None (auto): admission order
         self.max_buffered = max_buffered or 4 * concurrency
         self.control = control or RolloutControl()
-        self.episode_kwargs = episode_kwargs
         self._envs = EnvPool(env_factory)
         self._runtime: Runtime = engine.runtime
         self._scope = self._runtime.scope("Rollout")
         # One thread pulls the upstream node (never the loop); env threads run blocking envs.
         self._source_thread = concurrent.futures.ThreadPoolExecutor(1, "rollpipe-source")
-        self._env_threads = EnvThreads(env_workers or concurrency)
+        self._env_threads = EnvThreads(self.settings.env_workers or concurrency)
         self._wakeup = Signal()  # the driver's: room to admit, the gate opened, a cancel...
         self.control.add_listener(self._wakeup.notify)
         self._driver: asyncio.Task[None] | None = None
@@ -256,15 +259,12 @@ class Rollout(BaseNode[Trajectory]):
                 env,
                 self.engine,
                 self.chat,
-                sampling=self.sampling,
-                max_turns=self.max_turns,
-                max_length=self.max_length,
+                self.episode,
                 env_id=env_id,
                 admit=self.control.admit,
                 env_threads=self._env_threads,
                 env_lease=lease,  # an env is reused only once no call of it runs
-                env_calls_on_threads=self.env_workers > 0,
-                **self.episode_kwargs,
+                env_calls_on_threads=self.settings.env_workers > 0,
             )
         finally:
             lease.end()

@@ -13,7 +13,7 @@ from faulty import assert_back_to, threads_now
 from waiting import wait_until
 
 from rollpipe.agent.chat import ChatFormat
-from rollpipe.agent.episode import run_episode
+from rollpipe.agent.episode import EpisodeSettings, run_episode
 from rollpipe.agent.generation_timeout import GenerationTimeoutError, answer_within
 from rollpipe.agent.records import EpisodeSpec
 from rollpipe.engines.records import SamplingParams
@@ -41,10 +41,9 @@ def test_a_request_over_the_limit_fails_its_episode_and_is_aborted(
             FrozenLake(),
             vllm_engine,
             ChatFormat(tokenizer),
-            sampling=ENDLESS,
-            max_turns=2,
-            max_length=2040,
-            generation_timeout_s=0.3,
+            EpisodeSettings(
+                sampling=ENDLESS, max_turns=2, max_length=2040, generation_timeout_s=0.3
+            ),
         )
     )
     took = time.monotonic() - start

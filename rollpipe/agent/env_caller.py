@@ -1,0 +1,112 @@
+"""EnvCaller: how one episode calls its env (awaited, inline, or on env threads), each
+call limited in time and its return checked; a failure of any kind becomes ``EnvFailed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from rollpipe.agent.env_errors import EnvFailed
+from rollpipe.agent.env_threads import EnvLease, EnvThreads, EnvTimeoutError
+from rollpipe.agent.records import EpisodeSpec
+from rollpipe.envs.base import is_blocking
+
+__all__ = ["SLOW_INLINE_S", "Clock", "EnvCaller"]
+
+T = TypeVar("T")
+_log = logging.getLogger(__name__)
+
+SLOW_INLINE_S = 0.05
+"""An inline (``blocking = False``) env call longer than this is reported, once per class:
+the grid envs take microseconds, and every episode waits while one runs."""
+_SLOW_INLINE_REPORTED: set[type] = set()
+
+
+class Clock:
+    """Where one episode's time went, and what it counted."""
+
+    def __init__(self) -> None:
+        self.env = 0.0
+        self.engine = 0.0
+        self.aborted_tokens = 0  # generated, then aborted by a pause and regenerated
+        self.clipped_rewards = 0  # step rewards clipped to ±reward_clip
+
+
+class EnvCaller:
+    """How one episode calls its env: awaited (async env), inline (declared
+    ``blocking = False``) or on ``threads`` (any other), each call limited to ``timeout``
+    seconds and its return ``check``ed. Any failure becomes ``EnvFailed``."""
+
+    def __init__(
+        self,
+        env: Any,
+        spec: EpisodeSpec,
+        threads: EnvThreads,
+        timeout: float | None,
+        lease: EnvLease | None,
+        force_threads: bool,
+        clock: Clock,
+    ) -> None:
+        self.env, self.spec, self.threads, self.timeout = env, spec, threads, timeout
+        self.lease, self.clock = lease, clock
+        self.inline = not force_threads and not is_blocking(env)
+
+    def episode(self, turn: int) -> str:
+        spec = self.spec
+        return f"env {spec.env!r}, seed {spec.seed}, episode {spec.episode_id}, turn {turn}"
+
+    def where(self, name: str, turn: int) -> str:
+        limit = f", env_timeout_s={self.timeout}" if self.timeout is not None else ""
+        return f"{type(self.env).__name__}.{name}: {self.episode(turn)}{limit}"
+
+    async def __call__(self, name: str, turn: int, check: Callable[[Any], T], arg: Any) -> T:
+        fn = getattr(self.env, name)
+        start = time.perf_counter()
+        try:
+            if inspect.iscoroutinefunction(fn):
+                result = await self._awaited(fn(arg))
+            elif self.inline:  # declared fast: cheaper than a thread hop
+                result = fn(arg)
+                self._check_inline_time(time.perf_counter() - start)
+            else:
+                if self.lease is not None:
+                    self.lease.call_started()
+                on_return = None if self.lease is None else self.lease.call_returned
+                result = await self.threads.call(fn, arg, timeout=self.timeout, on_return=on_return)
+            return check(await self._awaited(result) if inspect.isawaitable(result) else result)
+        except Exception as exc:  # the env's failure, whatever it is
+            raise EnvFailed(exc, self.where(name, turn)) from exc
+        finally:
+            self.clock.env += time.perf_counter() - start
+
+    async def _awaited(self, awaitable: Any) -> Any:
+        if self.timeout is None:
+            return await awaitable
+        try:
+            return await asyncio.wait_for(awaitable, self.timeout)
+        except TimeoutError:
+            raise EnvTimeoutError(f"no return within {self.timeout} s") from None
+
+    def _check_inline_time(self, elapsed: float) -> None:
+        cls = type(self.env)
+        if self.timeout is not None and elapsed > self.timeout:
+            raise EnvTimeoutError(
+                f"took {elapsed:.2f} s inline on the event loop (over {self.timeout} s), "
+                f"stalling every episode: {cls.__qualname__} declares blocking = False; "
+                "remove that declaration so its calls run on env threads"
+            )
+        if elapsed > SLOW_INLINE_S and cls not in _SLOW_INLINE_REPORTED:
+            _SLOW_INLINE_REPORTED.add(cls)
+            _log.warning(
+                "%s.%s declares blocking = False but one call took %.3f s inline on the "
+                "event loop, stalling every episode and the engine meanwhile; remove that "
+                "declaration so its calls run on env threads (reported once per class)",
+                cls.__module__,
+                cls.__qualname__,
+                elapsed,
+            )

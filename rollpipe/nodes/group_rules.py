@@ -1,0 +1,121 @@
+"""Group rules: the predicates ``keep_group`` / ``drop_group`` take, by name, callable
+or import path, resolved and checked once (``resolve_group_rule``, ``check_group_rule``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from rollpipe.agent.records import Group
+
+GroupRule = Callable[[Group], bool]
+"""A predicate on a complete group; ``keep_group`` keeps it on True, ``drop_group`` drops it."""
+
+
+def scores_differ(group: Group, eps: float = 1e-6) -> bool:
+    """True when the group's episode scores differ (std above ``eps``): GRPO has a signal."""
+    scores = np.array([t.score for t in group.trajectories], dtype=np.float64)
+    return bool(scores.std() > eps)
+
+
+def zero_variance(group: Group, eps: float = 1e-6) -> bool:
+    """True when every episode score is the same: GRPO's advantage is 0, nothing to learn."""
+    return not scores_differ(group, eps)
+
+
+KEEP_RULES: dict[str, GroupRule] = {"scores_differ": scores_differ}
+"""Names ``keep_group`` accepts (True keeps)."""
+DROP_RULES: dict[str, GroupRule] = {"zero_variance": zero_variance}
+"""Names ``drop_group`` accepts (True drops, ROLL's ``GroupFilter.filter`` polarity)."""
+FILTERS: dict[str, GroupRule] = {"zero_variance": scores_differ}
+"""Deprecated: names of the old ``filter=`` (True keeps); ``"zero_variance"`` drops them."""
+
+_RULES = {
+    "keep_group": (KEEP_RULES, DROP_RULES, "drop_group"),
+    "drop_group": (DROP_RULES, KEEP_RULES, "keep_group"),
+}
+
+
+def _import_rule(path: str, field: str, names: dict[str, GroupRule]) -> Any:
+    module_name, sep, attr = path.partition(":")
+    if not sep:  # "package.module.function", as ROLL's class paths are written
+        module_name, _, attr = path.rpartition(".")
+    hint = (
+        f"give a registered name ({sorted(names)}), a callable Group -> bool, or an import "
+        "path 'package.module:function'"
+    )
+    if not module_name or not attr:
+        raise ValueError(f"{field}: unknown name {path!r}; {hint}")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except Exception as exc:  # not found, or the module failed to import
+        raise ValueError(
+            f"{field}: cannot import {path!r} ({type(exc).__name__}: {exc}); {hint}"
+        ) from exc
+    return obj
+
+
+def resolve_group_rule(value: str | GroupRule | None, field: str) -> GroupRule | None:
+    """``value`` (None, a callable, a registered name or an import path) as a callable.
+
+    ``field`` is ``"keep_group"`` or ``"drop_group"``, optionally prefixed by its owner
+    (``"PipelineConfig.drop_group"``); it picks the registered names and names the field
+    in errors.
+    """
+    polarity = field.rpartition(".")[2]
+    if polarity not in _RULES:
+        raise ValueError(f"field must end in 'keep_group' or 'drop_group', got {field!r}")
+    names, other_names, other = _RULES[polarity]
+    if value is None:
+        return None
+    where = repr(value) if isinstance(value, str) else getattr(value, "__qualname__", repr(value))
+    if isinstance(value, str):
+        if value in names:
+            return names[value]
+        if value in other_names:
+            raise ValueError(
+                f"{field}={value!r}: {value!r} is a {other} rule (True means "
+                f"{other.partition('_')[0]}); write {other}={value!r}, or use one of "
+                f"{sorted(names)} here"
+            )
+        value = _import_rule(value, field, names)
+    if inspect.isclass(value):
+        raise ValueError(
+            f"{field}: {where} is a class; give a function Group -> bool (a ROLL GroupFilter "
+            "class does not fit: wrap its filter() in a function)"
+        )
+    if not callable(value):
+        raise ValueError(f"{field}: {where} is not callable; give a function Group -> bool")
+    try:
+        inspect.signature(value).bind(None)
+    except TypeError:
+        raise ValueError(
+            f"{field}: {where} must take one argument, the Group, and return a bool"
+        ) from None
+    except ValueError:  # no signature to check (some builtins)
+        pass
+    return value
+
+
+def check_group_rule(inst: object, attribute: Any, value: object) -> None:
+    """attrs validator for config fields named ``keep_group`` / ``drop_group``."""
+    resolve_group_rule(value, f"{type(inst).__name__}.{attribute.name}")  # type: ignore[arg-type]
+
+
+def resolve_filter(filter: str | GroupRule | None) -> GroupRule | None:
+    """Deprecated ``filter=`` (True keeps): a name in ``FILTERS`` or a callable."""
+    if filter is None or callable(filter):
+        return filter
+    if filter not in FILTERS:
+        raise ValueError(
+            f"filter: unknown name {filter!r}; use one of {sorted(FILTERS)} or a callable "
+            "(filter= is deprecated: use drop_group= or keep_group=)"
+        )
+    return FILTERS[filter]
