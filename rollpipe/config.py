@@ -158,7 +158,9 @@ class PipelineConfig:
     runs ahead of the trainer: each ``get_batch`` lets the source start that batch's
     groups, plus ``ratio`` batches' worth ahead once at the start, and a group whose
     oldest token is more than ``ratio`` policy versions old is dropped (and replaced).
-    0 is on-policy: a batch holds only tokens of the current weights. ``None`` lets
+    0 is on-policy: a batch holds only tokens of the weights current when it is returned
+    (groups made stale by an update while they waited in the Batch stage, from another
+    thread, are dropped and replaced: ``dropped/stale``; docs/pausing.md). ``None`` lets
     collection run ahead freely (up to the rollout's buffer), with no staleness bound.
 
     ``max_traj_per_env`` (ROLL's name; ``None`` or ROLL's ``-1``: just one batch) sets

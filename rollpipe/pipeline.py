@@ -111,7 +111,7 @@ class RolloutPipeline:
         self._iter: Iterator[DataProto] | None = None
         self._batches_granted = 0  # get_batch calls that granted groups (metered source)
         self._step = -1  # the training step of the last grant (ROLL's global_step)
-        self._expired_seen = 0  # source.expired_groups already reported in a batch
+        self._expired_seen = 0  # source.expired() already reported in a batch
         self._exhausted = False  # the stream ended: the next get_batch(-1) starts afresh
         self._closed = False
         self._fetching = threading.Lock()  # one get_batch (or next) at a time
@@ -169,7 +169,7 @@ class RolloutPipeline:
 
     def _with_expired(self, batch: DataProto) -> DataProto:
         """Report the granted groups that expired unstarted since the last batch."""
-        expired = self.nodes.source.expired_groups
+        expired = self.nodes.source.expired()
         batch.meta_info.setdefault("metrics", {})["dropped/expired"] = float(
             expired - self._expired_seen
         )

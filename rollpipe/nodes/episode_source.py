@@ -224,6 +224,11 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
             "expired_groups": self.expired_groups,
         }
 
+    def expired(self) -> int:
+        """Granted groups that expired unstarted so far (metered, with ``expire_after``);
+        ``RolloutPipeline`` reports the increase per batch as ``dropped/expired``."""
+        return self.expired_groups
+
     def choice_for(self, group_id: int) -> EnvChoice:
         """The env kind of ``group_id``: a seeded weighted draw, fixed per group."""
         if len(self.envs) == 1:
