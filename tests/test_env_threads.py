@@ -26,7 +26,7 @@ def test_a_call_runs_off_the_loop_and_returns() -> None:
         return await threads.call(lambda x: (x + 1, threading.current_thread() is loop_thread), 1)
 
     assert asyncio.run(main()) == (2, False)
-    assert threads.close(1.0)
+    assert threads.close(30)  # a deadline: idle workers end at once
     assert workers() == []
 
 
@@ -43,14 +43,14 @@ def test_a_hung_call_times_out_and_its_place_is_refilled() -> None:
             )
         took = time.monotonic() - start
         # the only worker is stuck, yet the next call runs at once on a fresh one
-        value = await threads.call(lambda: 7, timeout=1.0)
+        value = await threads.call(lambda: 7, timeout=10)  # behind the hang it would fail
         return took, value
 
     took, value = asyncio.run(main())
-    assert 0.2 <= took < 2.0 and value == 7
-    assert threads.timeouts == 1 and returned == []  # the hung call has not returned
+    assert took >= 0.2 and value == 7  # the limit was kept, and the call ended before...
+    assert threads.timeouts == 1 and returned == []  # ...the hung call returned
     assert len(workers()) == 2  # the abandoned one, and its replacement
-    assert threads.close(1.0) is True  # the replacement ends; the abandoned is not waited
+    assert threads.close(30) is True  # the replacement ends; the abandoned is not waited
     release.set()
     for t in workers():
         t.join(5)

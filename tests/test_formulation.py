@@ -6,8 +6,6 @@ real engine and tokenizer output are checked in test_episode.py.
 
 from __future__ import annotations
 
-import time
-
 import attrs
 import pytest
 import torch
@@ -178,7 +176,9 @@ def test_rows_reject_empty_and_windowed_inputs() -> None:
     assert len(step_rows([w], PAD)) == 1
 
 
-def test_thousands_of_trajectories_are_fast() -> None:
+def test_thousands_of_trajectories_make_whole_rows() -> None:
+    """At scale, every row has the shape its turns give. How fast formulation is, is
+    bench/collate.py's figure (``collate_vs_memcpy``), never a test's assertion."""
     g = torch.Generator().manual_seed(0)
 
     def one(i: int) -> Trajectory:
@@ -199,10 +199,10 @@ def test_thousands_of_trajectories_are_fast() -> None:
         return Trajectory(EpisodeSpec(i // 8, i, 1), i % 16, turns, 1.0, True, "terminated")
 
     trajs = [one(i) for i in range(2000)]
-    start = time.perf_counter()
     dp = trajectory_rows(trajs, PAD)
     steps = step_rows(trajs[:400], PAD)
-    elapsed = time.perf_counter() - start
     assert len(dp) == 2000 and dp.batch["input_ids"].shape == (2000, 40 + 4 * 12 + 5 * 30)
     assert len(steps) == 2000
-    assert elapsed < 10.0, f"formulation took {elapsed:.1f}s for 2000 trajectories"
+    alone = trajectory_rows(trajs[-3:], PAD).batch  # the same length: no padding differs
+    keys = list(alone.keys())  # iterating a TensorDict gives rows, not keys
+    assert keys and all(torch.equal(alone[key], dp.batch[key][-3:]) for key in keys)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -95,23 +94,25 @@ def test_cancelling_the_future_cancels_the_task(runtime):
 
 def test_closing_a_scope_wakes_its_waiters_even_while_the_loop_is_blocked(runtime):
     scope = runtime.scope("part")
-    release = threading.Event()
+    release, blocked, unblocked = threading.Event(), threading.Event(), threading.Event()
 
     async def block_the_loop():
-        release.wait(10)  # a blocking call on the loop, as an inline env step may be
+        blocked.set()
+        release.wait(60)  # a blocking call on the loop, as an inline env step may be
+        unblocked.set()
 
     async def never():
         await asyncio.Event().wait()
 
     waiting = scope.submit(never())
     runtime.submit(block_the_loop())
+    assert blocked.wait(30)
     errors: list[BaseException] = []
     waiter = threading.Thread(target=lambda: errors.append(_raised(waiting.result)))
     waiter.start()
-    start = time.monotonic()
     scope.close(RuntimeClosedError("the part was closed"))
-    waiter.join(2)
-    assert not waiter.is_alive() and time.monotonic() - start < 1.0
+    waiter.join(30)  # a deadline: only a close that waits for the loop reaches it
+    assert not waiter.is_alive() and not unblocked.is_set()  # woken while the loop is blocked
     assert isinstance(errors[0], RuntimeClosedError) and "part was closed" in str(errors[0])
     with pytest.raises(RuntimeClosedError, match="part was closed"):
         scope.submit(never())

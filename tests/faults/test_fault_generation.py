@@ -5,7 +5,6 @@ paused does not count against the limit."""
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import pytest
@@ -34,7 +33,7 @@ def test_a_request_over_the_limit_fails_its_episode_and_is_aborted(
     vllm_engine: Any, tokenizer: Any
 ) -> None:
     spec = EpisodeSpec(group_id=3, episode_id=7, seed=5)
-    start = time.monotonic()
+    before = vllm_engine.tokens_generated
     trajectory = asyncio.run(
         run_episode(
             spec,
@@ -46,21 +45,23 @@ def test_a_request_over_the_limit_fails_its_episode_and_is_aborted(
             ),
         )
     )
-    took = time.monotonic() - start
+    made = vllm_engine.tokens_generated - before  # of the one request, when the episode ended
     assert trajectory.end_reason == "error" and trajectory.turns == ()
     assert trajectory.error == (
         "GenerationTimeoutError(engine request: env 'frozenlake', seed 5, episode 7, turn 0, "
         "generation_timeout_s=0.3: no answer within 0.3 s; raise generation_timeout_s)"
     )
-    assert took < 3.0, f"the episode waited {took:.1f} s for a 0.3 s limit"
+    assert made < ENDLESS.max_tokens, "the episode waited for its request to finish"
     assert _engine_idle(vllm_engine), "the timed-out request still runs in the engine"
+    made = vllm_engine.tokens_generated - before
+    assert made < ENDLESS.max_tokens, "the timed-out request ran to its end, not aborted"
 
 
 def test_time_paused_does_not_count(vllm_engine: Any, tokenizer: Any) -> None:
-    """Paused before the request is sent, for three times the limit: the request waits
+    """Paused before the request is sent, for longer than the limit: the request waits
     and then completes, whole (the limit starts again after the resume)."""
     prompt = tokenizer("Turn 1: P_O_G")["input_ids"]
-    # a few tokens: far inside the 0.5 s limit once resumed, on any CPU
+    # a few tokens: far inside the 2 s limit once resumed, on any CPU
     short = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
     before = vllm_engine.interruptions
@@ -68,9 +69,9 @@ def test_time_paused_does_not_count(vllm_engine: Any, tokenizer: Any) -> None:
     async def main() -> Any:
         await asyncio.to_thread(vllm_engine.pause, "keep")
         try:
-            request = answer_within(vllm_engine, vllm_engine.generate(prompt, short), 0.5)
+            request = answer_within(vllm_engine, vllm_engine.generate(prompt, short), 2.0)
             task = asyncio.ensure_future(request)
-            done, _ = await asyncio.wait({task}, timeout=1.5)
+            done, _ = await asyncio.wait({task}, timeout=3.0)
             assert not done, "the request answered or timed out while the engine was paused"
         finally:
             await asyncio.to_thread(vllm_engine.resume)
@@ -92,10 +93,8 @@ def test_the_pipeline_setting_reaches_every_request(vllm_engine: Any, tokenizer:
         generation_timeout_s=0.3,
         raise_env_errors=True,
     )
-    start = time.monotonic()
     pipe = RolloutPipeline(config, vllm_engine, tokenizer)
     with pipe, pytest.raises(GenerationTimeoutError, match=r"no answer within 0\.3 s"):
-        pipe.get_batch()
-    assert time.monotonic() - start < 10.0
+        pipe.get_batch()  # without the limit a batch would come back
     assert _engine_idle(vllm_engine)
     assert_back_to(baseline)
