@@ -12,6 +12,7 @@ import concurrent.futures
 import json
 import math
 import os
+import re
 import signal
 import time
 import urllib.request
@@ -491,9 +492,17 @@ def test_server_death_fails_requests_and_close_leaves_nothing(
             0.05,
         )
         os.kill(server.pid, signal.SIGKILL)  # the API server crashes; its children linger
-        with pytest.raises(EngineError, match=f"{server.url}.*unreachable"):
-            # a deadline: requests for 1800 tokens from a killed server can never finish
-            pending.result(timeout=60)
+        try:
+            gens = pending.result(timeout=60)  # a deadline: a dead server never answers
+        except EngineError as e:  # the requests on the wire fail, naming the server
+            assert re.search(f"{server.url}.*unreachable", str(e)), e
+        else:
+            # On 2 overloaded cores the server may admit a burst only as the first requests
+            # finish (DESIGN.md), so all may have finished before the kill: then the next
+            # request is the one that meets the dead server.
+            assert all(len(g.token_ids) == 1800 for g in gens)
+            with pytest.raises(EngineError, match=f"{server.url}.*unreachable"):
+                engine.generate_batch(prompts[:1], GREEDY)
     assert not engine.alive
     with pytest.raises(EngineError, match="died"):  # on its own state: no request is sent
         engine.generate_batch(prompts[:1], GREEDY)

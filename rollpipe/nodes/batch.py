@@ -5,7 +5,7 @@ longest row. The record it yields, :class:`TrajectoryBatch`, still holds traject
 records; ``Collate`` turns it into a ``DataProto``.
 
 With ``max_staleness`` a batch is checked again as it completes, by the rule the group
-assembler applies (``is_stale``): a group that became too old while it waited here (the
+assembler applies (``group_rules.is_stale``): a group that became too old while it waited here (the
 weights were updated after it was accepted) is dropped, counted (``stale``, its tokens in
 ``wasted_tokens``), and replaced through the control, so with ``max_staleness=0`` a batch
 holds only tokens of the weights current when it is returned.
@@ -23,14 +23,8 @@ from torchdata.nodes import BaseNode
 
 from rollpipe._utils.checks import check_int
 from rollpipe.agent.records import Group, Trajectory
+from rollpipe.nodes.group_rules import is_stale
 from rollpipe.nodes.signals import RolloutControl
-
-
-def is_stale(group: Group, current_version: int, max_staleness: int) -> bool:
-    """The staleness rule: the group's oldest token is more than ``max_staleness``
-    versions behind ``current_version`` (a group that generated nothing is never stale)."""
-    oldest = group.min_version
-    return oldest >= 0 and current_version - oldest > max_staleness
 
 
 @attrs.frozen

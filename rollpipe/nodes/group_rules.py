@@ -28,6 +28,14 @@ def zero_variance(group: Group, eps: float = 1e-6) -> bool:
     return not scores_differ(group, eps)
 
 
+def is_stale(group: Group, current_version: int, max_staleness: int) -> bool:
+    """The staleness rule, applied by GroupAssembler and again by Batch: the group's oldest
+    token is more than ``max_staleness`` versions behind ``current_version`` (a group that
+    generated nothing is never stale)."""
+    oldest = group.min_version
+    return oldest >= 0 and current_version - oldest > max_staleness
+
+
 KEEP_RULES: dict[str, GroupRule] = {"scores_differ": scores_differ}
 """Names ``keep_group`` accepts (True keeps)."""
 DROP_RULES: dict[str, GroupRule] = {"zero_variance": zero_variance}

@@ -28,6 +28,7 @@ from rollpipe.nodes.group_rules import (
     KEEP_RULES,
     GroupRule,
     check_group_rule,
+    is_stale,
     resolve_filter,
     resolve_group_rule,
     scores_differ,
@@ -272,8 +273,7 @@ class GroupAssembler(BaseNode[Group]):
     def _is_stale(self, group: Group) -> bool:
         if self.max_staleness is None or self.current_version is None:
             return False
-        oldest = group.min_version  # -1: no token generated, nothing to be stale
-        return oldest >= 0 and self.current_version() - oldest > self.max_staleness
+        return is_stale(group, self.current_version(), self.max_staleness)
 
     def _rejected(self, group: Group) -> bool:
         if self.keep_group is not None and not self.keep_group(group):
