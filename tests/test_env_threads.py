@@ -61,8 +61,8 @@ def test_time_queued_does_not_count_against_the_limit() -> None:
     threads = EnvThreads(1, "test-env")
 
     async def main() -> list[object]:
-        slow = threads.call(time.sleep, 0.3, timeout=30)  # 0.3 s of work; 30 s: a deadline
-        queued = threads.call(lambda: "ok", timeout=0.1)  # waits 0.3 s in the queue
+        slow = threads.call(time.sleep, 3.0, timeout=30)  # 3 s of work; 30 s: a deadline
+        queued = threads.call(lambda: "ok", timeout=1.0)  # waits 3 s in the queue
         return list(await asyncio.gather(slow, queued))
 
     assert asyncio.run(main()) == [None, "ok"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -132,7 +131,6 @@ def test_a_killed_actor_loses_no_trajectory_and_is_reported(
         )
         victim = pool.engine(1)
         assert isinstance(victim, RayEngine)
-        killed = time.monotonic()
         ray.kill(victim.actor)
         thread.join(120)
         assert not thread.is_alive()
@@ -144,7 +142,6 @@ def test_a_killed_actor_loses_no_trajectory_and_is_reported(
     assert not victim.alive
     with pytest.raises(EngineError, match="actor died"):
         victim.generate_batch([[1, 2, 3]], GREEDY)
-    assert time.monotonic() - killed < 60
     pool.expand([1])
     assert pool.active_ranks == [0, 1] and pool.failures() == {}
 
