@@ -130,7 +130,7 @@ def test_a_stuck_subclass_fails_its_episode_alone(vllm_engine: Any, tokenizer: A
     is replaced, and every other episode finishes while it is still stuck."""
     StuckLake.stuck.clear()
     StuckLake.release.clear()
-    cfg = config("stuck_lake", env_timeout_s=1.0)
+    cfg = config("stuck_lake", env_timeout_s=5.0)  # the stuck step never returns
     try:
         with RolloutPipeline(cfg, vllm_engine, tokenizer) as pipe:
             batches = drain(pipe)
@@ -142,7 +142,7 @@ def test_a_stuck_subclass_fails_its_episode_alone(vllm_engine: Any, tokenizer: A
     errors = [e for b in batches for e in b.meta_info["env_errors"]]
     assert len(errors) == 1, errors
     assert "StuckLake.step" in errors[0]["message"]
-    assert "env_timeout_s=1.0" in errors[0]["message"]
+    assert "env_timeout_s=5.0" in errors[0]["message"]
 
 
 def test_a_slow_inline_call_is_reported_once_naming_the_class(
