@@ -85,7 +85,7 @@ def test_a_malformed_return_fails_the_episode_naming_env_and_field(
     mode: str, vllm_engine: Any, tokenizer: Any
 ) -> None:
     env = CorruptLake(mode)
-    spec = EpisodeSpec(group_id=0, episode_id=0, seed=2, env="corrupt_lake")
+    spec = EpisodeSpec(group_id=0, episode_id=0, seed=2, env_name="corrupt_lake")
     chat = ChatFormat(tokenizer)
     t = asyncio.run(
         run_episode(

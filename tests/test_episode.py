@@ -92,7 +92,7 @@ class AsyncLake:
 
 
 def spec(episode: int = 0, group: int = 0) -> EpisodeSpec:
-    return EpisodeSpec(group_id=group, episode_id=episode, seed=123, env="frozenlake")
+    return EpisodeSpec(group_id=group, episode_id=episode, seed=123, env_name="frozenlake")
 
 
 def run(coro: Any) -> Any:
@@ -341,7 +341,7 @@ def test_env_error_is_recorded(hf_engine: Any, tokenizer: Any, fail_at: int) -> 
     raised = "OSError('reset failed')" if fail_at == 0 else "RuntimeError('boom')"
     s = spec()  # the text says what was raised, then where: env, seed, episode and turn
     assert t.error == (
-        f"{raised} (in FailingLake.{call}: env {s.env!r}, seed {s.seed}, episode "
+        f"{raised} (in FailingLake.{call}: env {s.env_name!r}, seed {s.seed}, episode "
         f"{s.episode_id}, turn {turn}, env_timeout_s=60.0)"
     )
     assert len(t.turns) == (0 if fail_at == 0 else 2)

@@ -36,7 +36,7 @@ def test_mix_follows_weights_and_is_fixed_per_group():
     specs = list(EpisodeSource(400, 2, seed=7, envs=envs))
     by_group = {}
     for s in specs:
-        by_group.setdefault(s.group_id, set()).add((s.env, s.tag))
+        by_group.setdefault(s.group_id, set()).add((s.env_name, s.tag))
     assert all(len(v) == 1 for v in by_group.values())
     share = sum(v == {("frozenlake", "frozenlake")} for v in by_group.values()) / 400
     assert 0.65 < share < 0.85

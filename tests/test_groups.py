@@ -367,7 +367,7 @@ def env_error(traj, env="nan_lake", call="NanLake.step"):
     where = f"{call}: env {env!r}, seed {s.seed}, episode {s.episode_id}, turn 0"
     return attrs.evolve(
         traj,
-        spec=attrs.evolve(s, env=env),
+        spec=attrs.evolve(s, env_name=env),
         error=f"EnvReturnError('{call}: reward is nan; a reward must be a finite number') "
         f"(in {where})",
         error_type="EnvReturnError",

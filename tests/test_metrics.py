@@ -161,7 +161,7 @@ def test_per_tag_metrics_add_up_to_the_global_ones(
 def test_roll_names_for_a_roll_style_batch() -> None:
     """Env metrics appear under ROLL's ``env/{tag}/{name}``, next to rollpipe's keys."""
     won = Trajectory(
-        spec=EpisodeSpec(0, 0, 0, env="sokoban", tag="SimpleSokoban"),
+        spec=EpisodeSpec(0, 0, 0, env_name="sokoban", tag="SimpleSokoban"),
         env_id=0,
         turns=[make_turn(True), make_turn(False), make_turn(False, stepped=False)],
         score=1.0,
@@ -170,7 +170,7 @@ def test_roll_names_for_a_roll_style_batch() -> None:
         env_metrics={"success": 1.0, "action_is_valid": 0.5, "num_actions": 99.0},
     )
     lost = Trajectory(
-        spec=EpisodeSpec(0, 1, 0, env="sokoban", tag="SimpleSokoban"),
+        spec=EpisodeSpec(0, 1, 0, env_name="sokoban", tag="SimpleSokoban"),
         env_id=0,
         turns=[make_turn(True)],
         score=0.0,

@@ -43,7 +43,7 @@ def specs(draw: st.DrawFn, group_id: int | None = None) -> EpisodeSpec:
         group_id=draw(ids) if group_id is None else group_id,
         episode_id=draw(ids),
         seed=draw(ids),
-        env=draw(st.sampled_from(["frozenlake", "sokoban"])),
+        env_name=draw(st.sampled_from(["frozenlake", "sokoban"])),
         env_config=draw(st.dictionaries(st.text(max_size=6), config_values, max_size=4)),
         tag=draw(st.text(max_size=6)),
     )

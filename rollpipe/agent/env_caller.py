@@ -58,7 +58,7 @@ class EnvCaller:
 
     def episode(self, turn: int) -> str:
         spec = self.spec
-        return f"env {spec.env!r}, seed {spec.seed}, episode {spec.episode_id}, turn {turn}"
+        return f"env {spec.env_name!r}, seed {spec.seed}, episode {spec.episode_id}, turn {turn}"
 
     def where(self, name: str, turn: int) -> str:
         limit = f", env_timeout_s={self.timeout}" if self.timeout is not None else ""

@@ -64,7 +64,7 @@ def error_entry(traj: Trajectory) -> dict[str, Any]:
     ``"FrozenLake.step"``), ``type`` (the exception's class name) and ``message``
     (``Trajectory.error``: the exception's repr, then where)."""
     return {
-        "env": traj.spec.env,
+        "env": traj.spec.env_name,
         "tag": traj.tag,
         "seed": traj.spec.seed,
         "group_id": traj.group_id,

@@ -19,7 +19,7 @@ EnvForSpec = Callable[[EpisodeSpec], Any]
 
 def registry_env(spec: EpisodeSpec) -> Any:
     """The env named by the spec, from the registry, with the spec's config."""
-    return make_env(spec.env, **dict(spec.env_config))
+    return make_env(spec.env_name, **dict(spec.env_config))
 
 
 class EnvPool:
@@ -32,7 +32,7 @@ class EnvPool:
 
     def acquire(self, spec: EpisodeSpec) -> tuple[int, Any]:
         """A free env for ``spec`` (built if none is free) and its id."""
-        free = self._free.setdefault((spec.env, spec.env_config), [])
+        free = self._free.setdefault((spec.env_name, spec.env_config), [])
         if free:
             return free.pop()
         env = self.build(spec)
@@ -41,7 +41,7 @@ class EnvPool:
 
     def release(self, spec: EpisodeSpec, env_id: int, env: Any) -> None:
         """Give an env back for the next episode of its kind."""
-        self._free.setdefault((spec.env, spec.env_config), []).append((env_id, env))
+        self._free.setdefault((spec.env_name, spec.env_config), []).append((env_id, env))
 
     def close(self) -> None:
         """Close every env built (those with a ``close`` method); the first error is raised

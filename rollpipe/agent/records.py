@@ -69,7 +69,7 @@ class EpisodeSpec:
     group_id: int = attrs.field(validator=int_at_least(0))
     episode_id: int = attrs.field(validator=int_at_least(0))
     seed: int = attrs.field(validator=int_at_least(0))
-    env: str = "frozenlake"
+    env_name: str = "frozenlake"
     env_config: tuple[tuple[str, Any], ...] = attrs.field(default=(), converter=_env_config)
     tag: str = ""
 
@@ -85,13 +85,16 @@ class EpisodeSpec:
             "group_id": self.group_id,
             "episode_id": self.episode_id,
             "seed": self.seed,
-            "env": self.env,
+            "env_name": self.env_name,
             "env_config": config,
             "tag": self.tag,
         }
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> EpisodeSpec:
+        state = dict(state)
+        if "env" in state:  # checkpoints written before the field was named env_name
+            state["env_name"] = state.pop("env")
         return cls(**state)
 
 
@@ -258,7 +261,7 @@ class Trajectory:
     @property
     def tag(self) -> str:
         """The spec's tag, else the env name."""
-        return self.spec.tag or self.spec.env
+        return self.spec.tag or self.spec.env_name
 
     @property
     def num_turns(self) -> int:

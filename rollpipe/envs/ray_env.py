@@ -341,7 +341,7 @@ def _ray_text(error: BaseException) -> str:
 
 
 def _ray_env_for_spec(spec: EpisodeSpec, **options: Any) -> RayEnv:
-    return RayEnv(spec.env, spec.env_kwargs, **options)
+    return RayEnv(spec.env_name, spec.env_kwargs, **options)
 
 
 def ray_env_factory(

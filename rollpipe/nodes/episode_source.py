@@ -243,7 +243,7 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
             group_id=group_id,
             episode_id=group_id * self.members_per_group + member,
             seed=derive_seed(self.seed, group_id),
-            env=env.name,
+            env_name=env.name,
             env_config=env.config,  # frozen (hashable, sorted) by EpisodeSpec
             tag=env.label,
         )
