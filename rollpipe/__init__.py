@@ -33,7 +33,7 @@ _EXPORTS: dict[str, str] = {
     "HFEngine": "rollpipe.engines.hf",
     "build_tiny_model": "rollpipe.engines.tiny_model",
     "default_model_path": "rollpipe.engines.tiny_model",
-    "RolloutControl": "rollpipe.nodes.signals",
+    "UpstreamSignals": "rollpipe.nodes.signals",
     "EnvChoice": "rollpipe.nodes.episode_source",
     "EpisodeSource": "rollpipe.nodes.episode_source",
     "Rollout": "rollpipe.nodes.rollout",
@@ -77,7 +77,7 @@ if TYPE_CHECKING:
     from rollpipe.nodes.groups import GroupAssembler, GroupSettings
     from rollpipe.nodes.pausable import Pausable
     from rollpipe.nodes.rollout import Rollout, RolloutSettings
-    from rollpipe.nodes.signals import RolloutControl
+    from rollpipe.nodes.signals import UpstreamSignals
     from rollpipe.nodes.suspension import Suspension
     from rollpipe.pipeline import PipelineNodes, RolloutPipeline, build_nodes
     from rollpipe.ppo.buffer import RolloutBuffer

@@ -24,7 +24,7 @@ from rollpipe.nodes.episode_source import EpisodeSource
 from rollpipe.nodes.groups import GroupAssembler
 from rollpipe.nodes.pausable import Pausable
 from rollpipe.nodes.rollout import Rollout
-from rollpipe.nodes.signals import RolloutControl
+from rollpipe.nodes.signals import UpstreamSignals
 from rollpipe.nodes.suspension import Suspension
 
 __all__ = ["NodeHook", "PipelineNodes", "Stage", "build_nodes"]
@@ -37,7 +37,7 @@ NodeHook = Callable[[BaseNode[Any]], BaseNode[Any]]
 class PipelineNodes:
     """The wired stages, for users who want to hold or extend them."""
 
-    signals: RolloutControl  # cancellations, grants, replacements (flow upstream)
+    signals: UpstreamSignals  # cancellations, grants, replacements (flow upstream)
     suspension: Suspension  # suspend / resume / update_weights; admission reads it
     source: EpisodeSource
     rollout: Rollout
@@ -79,10 +79,10 @@ def build_nodes(
         return hooks[stage](node) if stage in hooks else node
 
     suspension = Suspension(engine, name=name)
-    signals = RolloutControl(suspension)
+    signals = UpstreamSignals(suspension)
     ratio = config.async_generation_ratio
     source = EpisodeSource.from_settings(
-        config.source, control=signals, metered=ratio is not None, expire_after=ratio
+        config.source, signals=signals, metered=ratio is not None, expire_after=ratio
     )
     rollout = Rollout(
         hooked("source", source),
@@ -90,7 +90,7 @@ def build_nodes(
         config.episode.chat_format(tokenizer),
         attrs.evolve(config.rollout, in_order=config.admission_order),
         config.episode,
-        control=signals,
+        signals=signals,
         env_factory=_env_factory(config),
     )
     groups = GroupAssembler.from_settings(
@@ -100,14 +100,14 @@ def build_nodes(
         redundancy=config.source.redundancy,
         max_staleness=ratio,
         current_version=lambda: engine.version,
-        control=signals,
+        signals=signals,
     )
     batch = Batch(
         hooked("groups", groups),
         config.batch_size,
         max_staleness=ratio,
         current_version=lambda: engine.version,
-        control=signals,
+        signals=signals,
     )
     pad_id = (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

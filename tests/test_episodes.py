@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from torchdata.nodes import Loader
 
 from rollpipe.nodes.episode_source import EnvChoice, EpisodeSource
-from rollpipe.nodes.signals import RolloutControl
+from rollpipe.nodes.signals import UpstreamSignals
 
 
 @settings(max_examples=50, deadline=None)
@@ -50,10 +50,10 @@ def test_endless_source_keeps_going():
 
 
 def test_replacements_extend_a_finite_source():
-    control = RolloutControl()
-    source = EpisodeSource(1, 2, seed=0, control=control)
+    signals = UpstreamSignals()
+    source = EpisodeSource(1, 2, seed=0, signals=signals)
     assert [s.group_id for s in source] == [0, 0]
-    control.request_groups(2)
+    signals.request_groups(2)
     assert [next(source).group_id for _ in range(4)] == [1, 1, 2, 2]
     with pytest.raises(StopIteration):
         next(source)

@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 
 from rollpipe.config import PipelineConfig
 from rollpipe.nodes.episode_source import EpisodeSource
-from rollpipe.nodes.signals import RolloutControl
+from rollpipe.nodes.signals import UpstreamSignals
 
 
 def metered(expire_after: int | None, group_size: int = 2) -> EpisodeSource:
     source = EpisodeSource(
-        None, group_size, seed=3, control=RolloutControl(), metered=True, expire_after=expire_after
+        None, group_size, seed=3, signals=UpstreamSignals(), metered=True, expire_after=expire_after
     )
     source.reset()
     return source
@@ -34,26 +34,26 @@ def pull_group(source: EpisodeSource) -> list[int] | None:
 
 def test_unstarted_grants_of_an_expired_step_are_never_started():
     source = metered(expire_after=0)
-    source.control.grant_groups(3, step=0)
+    source.signals.grant_groups(3, step=0)
     assert pull_group(source) == [0, 0]
-    source.control.grant_groups(2, step=1)  # step 0's two unstarted groups expire
+    source.signals.grant_groups(2, step=1)  # step 0's two unstarted groups expire
     assert [pull_group(source), pull_group(source), pull_group(source)] == [[1, 1], [2, 2], None]
     assert source.expired_groups == 2
 
 
 def test_a_started_group_is_finished_even_when_its_step_expires():
     source = metered(expire_after=0)
-    source.control.grant_groups(1, step=0)
+    source.signals.grant_groups(1, step=0)
     assert source.next().group_id == 0  # first member started
-    source.control.grant_groups(1, step=1)
+    source.signals.grant_groups(1, step=1)
     assert source.next().group_id == 0  # its second member still comes
     assert pull_group(source) == [1, 1] and source.expired_groups == 0
 
 
 def test_replacements_are_created_at_the_current_step():
     source = metered(expire_after=0)
-    source.control.grant_groups(1, step=4)
-    source.control.request_groups(1)
+    source.signals.grant_groups(1, step=4)
+    source.signals.request_groups(1)
     assert pull_group(source) == [0, 0] and pull_group(source) == [1, 1]
     assert pull_group(source) is None and source.expired_groups == 0
 
@@ -72,7 +72,7 @@ def test_every_granted_group_is_started_once_or_expired(ratio, events):
     granted, step, started = 0, 0, []
     for n, advance, pulls in events:
         step += advance
-        source.control.grant_groups(n, step=step)
+        source.signals.grant_groups(n, step=step)
         granted += n
         for _ in range(pulls):
             group = pull_group(source)
@@ -84,7 +84,7 @@ def test_every_granted_group_is_started_once_or_expired(ratio, events):
     state = source.state_dict()
     copy = metered(expire_after=ratio)
     copy.reset(state)
-    copy.control.load_state(source.control.get_state())
+    copy.signals.load_state(source.signals.get_state())
     rest = [g for g in iter(lambda: pull_group(source), None)]
     assert [g for g in iter(lambda: pull_group(copy), None)] == rest
     assert len(started) + len(rest) + source.expired_groups == granted

@@ -19,7 +19,7 @@ from rollpipe.nodes.groups import (
     scores_differ,
     zero_variance,
 )
-from rollpipe.nodes.signals import RolloutControl
+from rollpipe.nodes.signals import UpstreamSignals
 
 from records import make_trajectory
 
@@ -98,9 +98,9 @@ def test_errors_beyond_redundancy_drop_the_group(stream, data):
         )
     )
     trajs = arrivals(num_groups, members, order, errors=errors)
-    control = RolloutControl()
+    signals = UpstreamSignals()
     node = GroupAssembler(
-        IterableWrapper(trajs), group_size, redundancy=redundancy, control=control
+        IterableWrapper(trajs), group_size, redundancy=redundancy, signals=signals
     )
     groups = list(node)
 
@@ -113,7 +113,7 @@ def test_errors_beyond_redundancy_drop_the_group(stream, data):
     dropped = sum(1 for gid in range(num_groups) if gid not in emitted)
     # every dropped group asked for a replacement and is counted as errored
     counted = sum(g.drops.get("errored", 0) for g in groups) + node.pending_drops.get("errored", 0)
-    assert counted == dropped == control.replacements_pending
+    assert counted == dropped == signals.replacements_pending
 
 
 def _succeeded_first(trajs, gid, group_size, redundancy):
@@ -140,8 +140,8 @@ def generated(trajectories) -> int:
 def test_zero_variance_drop_rule_drops_and_requests_replacements():
     scores = [[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]]
     trajs = arrivals(3, 2, list(range(6)), scores=scores, tags=["a", "b", "c"])
-    control = RolloutControl()
-    node = GroupAssembler(IterableWrapper(trajs), 2, drop_group="zero_variance", control=control)
+    signals = UpstreamSignals()
+    node = GroupAssembler(IterableWrapper(trajs), 2, drop_group="zero_variance", signals=signals)
     groups = list(node)
     assert [g.group_id for g in groups] == [1]
     dropped_a = {"filtered": 1, "wasted_tokens": generated(trajs[:2])}
@@ -151,7 +151,7 @@ def test_zero_variance_drop_rule_drops_and_requests_replacements():
     assert node.pending_drops == dropped_c  # group 2, after the last emitted group
     assert node.pending_tag_drops == {"c": dropped_c}
     assert node.total_tag_drops == {"a": dropped_a, "c": dropped_c}
-    assert control.replacements_pending == 2
+    assert signals.replacements_pending == 2
     equal = Group(group_id=0, trajectories=trajs[:2])
     assert zero_variance(equal) and not scores_differ(equal)
 
@@ -247,7 +247,7 @@ def test_drops_per_tag_add_up_to_the_drops(stream, data):
         group_size,
         redundancy=redundancy,
         drop_group="zero_variance",
-        control=RolloutControl(),
+        signals=UpstreamSignals(),
         max_drops_in_a_row=1000,
     )
     groups = list(node)
@@ -305,11 +305,11 @@ def test_stale_groups_are_dropped():
 
 def test_redundant_members_are_cancelled_through_control():
     trajs = arrivals(1, 3, [2, 0, 1])
-    control = RolloutControl()
-    node = GroupAssembler(IterableWrapper(trajs), 2, redundancy=1, control=control)
+    signals = UpstreamSignals()
+    node = GroupAssembler(IterableWrapper(trajs), 2, redundancy=1, signals=signals)
     group = next(node)
     assert [t.episode_id for t in group.trajectories] == [2, 0]
-    assert control.is_cancelled(0)
+    assert signals.is_cancelled(0)
 
 
 def test_checkpoint_mid_stream_resumes_exactly():
@@ -350,15 +350,15 @@ def test_trajectories_without_turns_fail_their_group():
         end_reason="max_length",
     )
     trajs = [make_trajectory(0, 0), empty, make_trajectory(1, 2), make_trajectory(1, 3)]
-    control = RolloutControl()
-    groups = list(GroupAssembler(IterableWrapper(trajs), 2, control=control))
+    signals = UpstreamSignals()
+    groups = list(GroupAssembler(IterableWrapper(trajs), 2, signals=signals))
     assert [g.group_id for g in groups] == [1]
     assert groups[0].drops == {
         "empty_trajectories": 1,
         "empty": 1,
         "wasted_tokens": generated(trajs[:1]),  # the good member of the failed group
     }
-    assert control.replacements_pending == 1
+    assert signals.replacements_pending == 1
 
 
 def env_error(traj, env="nan_lake", call="NanLake.step"):

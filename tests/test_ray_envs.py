@@ -29,7 +29,7 @@ from rollpipe.nodes.collate import Collate
 from rollpipe.nodes.episode_source import EnvChoice, EpisodeSource
 from rollpipe.nodes.groups import GroupAssembler
 from rollpipe.nodes.rollout import Rollout, RolloutSettings
-from rollpipe.nodes.signals import RolloutControl
+from rollpipe.nodes.signals import UpstreamSignals
 from rollpipe.pipeline import PipelineConfig
 
 ray = pytest.importorskip("ray")  # the dev extra installs it: CI always runs these
@@ -122,9 +122,9 @@ def run_chain(
     """Every batch of ``cfg``'s chain (EpisodeSource → Rollout → GroupAssembler → Batch
     → Collate, as ``build_nodes`` wires it), then the chain closed. Every trajectory the
     rollout yields is appended to ``trajectories``."""
-    signals = RolloutControl()
+    signals = UpstreamSignals()
     chat = ChatFormat(tokenizer, system_prompt=cfg.episode.system_prompt)
-    source = EpisodeSource.from_settings(cfg.source, control=signals)
+    source = EpisodeSource.from_settings(cfg.source, signals=signals)
     rollout = Rollout(
         source,
         engine,
@@ -132,11 +132,11 @@ def run_chain(
         RolloutSettings(concurrency=cfg.rollout.concurrency),
         cfg.episode,
         env_factory=env_factory,
-        control=signals,
+        signals=signals,
     )
     seen = trajectories if trajectories is not None else []
     recorded = Mapper(rollout, lambda t: seen.append(t) or t)
-    groups = GroupAssembler(recorded, cfg.group_size, control=signals)
+    groups = GroupAssembler(recorded, cfg.group_size, signals=signals)
     collate = Collate(Batch(groups, cfg.batch_size), tokenizer.pad_token_id)
     try:
         return list(Loader(collate, restart_on_stop_iteration=False)), groups

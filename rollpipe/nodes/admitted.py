@@ -3,7 +3,7 @@
 Each admitted spec gets an index (admission order). A finished episode's result waits
 here until it is yielded: in admission order (``in_order``, reproducible) or in
 completion order. The book also knows the lowest group id that still has a member in it,
-which tells downstream stages which groups are settled (``RolloutControl.settle_below``).
+which tells downstream stages which groups are settled (``UpstreamSignals.settle_below``).
 """
 
 from __future__ import annotations

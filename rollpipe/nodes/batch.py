@@ -7,7 +7,7 @@ records; ``Collate`` turns it into a ``DataProto``.
 With ``max_staleness`` a batch is checked again as it completes, by the rule the group
 assembler applies (``group_rules.is_stale``): a group that became too old while it waited here (the
 weights were updated after it was accepted) is dropped, counted (``stale``, its tokens in
-``wasted_tokens``), and replaced through the control, so with ``max_staleness=0`` a batch
+``wasted_tokens``), and replaced through the signals, so with ``max_staleness=0`` a batch
 holds only tokens of the weights current when it is returned.
 """
 
@@ -24,7 +24,7 @@ from torchdata.nodes import BaseNode
 from rollpipe._utils.checks import check_int
 from rollpipe.agent.records import Group, Trajectory
 from rollpipe.nodes.group_rules import is_stale
-from rollpipe.nodes.signals import RolloutControl
+from rollpipe.nodes.signals import UpstreamSignals
 
 
 @attrs.frozen
@@ -64,7 +64,7 @@ class Batch(BaseNode[TrajectoryBatch]):
         max_staleness: re-check each batch as it completes (see the module doc); None:
             no check.
         current_version: the current policy version (needed with ``max_staleness``).
-        control: receives a replacement request for each group dropped here.
+        signals: receives a replacement request for each group dropped here.
     """
 
     def __init__(
@@ -75,7 +75,7 @@ class Batch(BaseNode[TrajectoryBatch]):
         drop_last: bool = False,
         max_staleness: int | None = None,
         current_version: Callable[[], int] | None = None,
-        control: RolloutControl | None = None,
+        signals: UpstreamSignals | None = None,
     ) -> None:
         super().__init__()
         self.source = source
@@ -88,7 +88,7 @@ class Batch(BaseNode[TrajectoryBatch]):
                 raise ValueError("Batch: max_staleness needs current_version")
         self.max_staleness = max_staleness
         self.current_version = current_version
-        self.control = control
+        self.signals = signals
         self._requested: int | None = None  # the next batch's size, from request()
         self._carry: list[Group] = []  # a group that did not fit, kept for the next batch
         self._dropped = Group(0, ())  # the counts of groups dropped here, not yet reported
@@ -144,8 +144,8 @@ class Batch(BaseNode[TrajectoryBatch]):
         tag_drops.setdefault(tag, Counter()).update({"stale": 1, "wasted_tokens": wasted})
         errors = (*self._dropped.errors, *group.errors)
         self._dropped = Group(0, (), drops=drops, tag_drops=tag_drops, errors=errors)
-        if self.control is not None:
-            self.control.request_groups(1)
+        if self.signals is not None:
+            self.signals.request_groups(1)
 
     def _with_dropped(self, group: Group) -> Group:
         """``group`` carrying the counts of the groups dropped here before it."""

@@ -21,7 +21,7 @@ from rollpipe._utils.checks import check_int, float_in, int_at_least, int_in, op
 from rollpipe._utils.seeding import derive_seed
 from rollpipe.agent.records import EpisodeSpec
 from rollpipe.envs.registry import check_env
-from rollpipe.nodes.signals import RolloutControl
+from rollpipe.nodes.signals import UpstreamSignals
 
 MAX_GROUP_SIZE = 65536
 MAX_REDUNDANCY = 1024
@@ -125,10 +125,10 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
         envs: an env name, an :class:`EnvChoice`, or several mixed by ``weight`` (one
             draw per group, so all members of a group run the same env).
         redundancy: extra members started per group; the first ``group_size`` to finish win.
-        control: when given, groups requested by downstream stages (replacements for
+        signals: when given, groups requested by downstream stages (replacements for
             dropped groups, or the pipeline's grants) are added to the budget.
         metered: start with a budget of 0 groups and issue only what is granted through
-            ``control.grant_groups`` (never more than ``num_groups``): the pipeline
+            ``signals.grant_groups`` (never more than ``num_groups``): the pipeline
             grants one batch's groups per ``get_batch``, so generation does not run
             ahead of the trainer (on-policy; see ``async_generation_ratio``).
         expire_after: metered only: a granted group not yet started when a grant of a
@@ -144,7 +144,7 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
         envs: str | EnvChoice | Sequence[str | EnvChoice] = "frozenlake",
         *,
         redundancy: int = 0,
-        control: RolloutControl | None = None,
+        signals: UpstreamSignals | None = None,
         metered: bool = False,
         expire_after: int | None = None,
     ) -> None:
@@ -159,9 +159,9 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
         self.redundancy = redundancy
         self.seed = seed
         self.envs = as_env_choices(envs)
-        self.control = control
-        if metered and control is None:
-            raise ValueError("EpisodeSource: metered=True needs a control to receive grants")
+        self.signals = signals
+        if metered and signals is None:
+            raise ValueError("EpisodeSource: metered=True needs signals to receive grants")
         self.metered = metered
         if expire_after is not None:
             check_int("EpisodeSource.expire_after (or None)", expire_after, 0)
@@ -180,7 +180,7 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
         cls,
         settings: SourceSettings,
         *,
-        control: RolloutControl | None = None,
+        signals: UpstreamSignals | None = None,
         metered: bool = False,
         expire_after: int | None = None,
     ) -> EpisodeSource:
@@ -192,7 +192,7 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
             s.seed,
             s.envs,
             redundancy=s.redundancy,
-            control=control,
+            signals=signals,
             metered=metered,
             expire_after=expire_after,
         )
@@ -248,15 +248,15 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
             tag=env.label,
         )
 
-    def _take_requests(self, control: RolloutControl) -> None:
+    def _take_requests(self, signals: UpstreamSignals) -> None:
         """Add downstream requests to the budget: replacements, and (metered) grants,
         expiring grants too old for ``expire_after``."""
-        replacements = control.take_replacements()
+        replacements = signals.take_replacements()
         if self._budget is not None:
             self._budget += replacements
         if not self.metered:
             return
-        for n, step in control.take_grants():
+        for n, step in signals.take_grants():
             self._grants.append([n, step])
             self._step = max(self._step, step)
         if replacements:  # ROLL creates a replacement at the current step
@@ -280,8 +280,8 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
         return True
 
     def next(self) -> EpisodeSpec:
-        if self.control is not None:
-            self._take_requests(self.control)
+        if self.signals is not None:
+            self._take_requests(self.signals)
         if self._member == 0 and not self._start_group():
             raise StopIteration
         spec = self.spec(self._group, self._member)

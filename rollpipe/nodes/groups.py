@@ -34,7 +34,7 @@ from rollpipe.nodes.group_rules import (
     scores_differ,
     zero_variance,
 )
-from rollpipe.nodes.signals import RolloutControl
+from rollpipe.nodes.signals import UpstreamSignals
 from rollpipe.nodes.starved import starved_message
 
 __all__ = [
@@ -91,7 +91,7 @@ class GroupAssembler(BaseNode[Group]):
         max_staleness: drop a group whose oldest token is more than this many policy
             versions behind ``current_version()``.
         current_version: the trainer's current policy version (usually ``engine.version``).
-        control: shared control; cancels redundant members and requests replacements.
+        signals: shared signals: cancels redundant members and requests replacements.
         max_drops_in_a_row: groups dropped one after another, with none kept, before
             ``next()`` gives up with an error naming the reasons, the settings behind them
             and the last env errors (``rollpipe.nodes.starved``; a rule that rejects
@@ -108,7 +108,7 @@ class GroupAssembler(BaseNode[Group]):
     members of groups already dropped included (the Rollout passes those on).
 
     Memory stays bounded on an endless stream: a closed group's id is forgotten once the
-    Rollout reports (``control.settled_below``) that no member of it can arrive any more.
+    Rollout reports (``signals.settled_below``) that no member of it can arrive any more.
     """
 
     def __init__(
@@ -122,7 +122,7 @@ class GroupAssembler(BaseNode[Group]):
         filter: str | GroupRule | None = None,
         max_staleness: int | None = None,
         current_version: Callable[[], int] | None = None,
-        control: RolloutControl | None = None,
+        signals: UpstreamSignals | None = None,
         max_drops_in_a_row: int = 1000,
     ) -> None:
         super().__init__()
@@ -156,7 +156,7 @@ class GroupAssembler(BaseNode[Group]):
         self.redundancy = redundancy
         self.max_staleness = max_staleness
         self.current_version = current_version
-        self.control = control
+        self.signals = signals
         self.max_drops_in_a_row = max_drops_in_a_row
         self._clear()
 
@@ -169,7 +169,7 @@ class GroupAssembler(BaseNode[Group]):
         **wiring: Any,
     ) -> GroupAssembler:
         """The assembler ``settings`` describe; ``wiring``: ``redundancy``,
-        ``max_staleness``, ``current_version``, ``control`` (see the class doc)."""
+        ``max_staleness``, ``current_version``, ``signals`` (see the class doc)."""
         return cls(
             source,
             group_size,
@@ -227,11 +227,11 @@ class GroupAssembler(BaseNode[Group]):
         self._errors.pop(group_id, None)
         if drop_reason is not None:
             self._waste(members, tag)
-        if self.control is not None:
+        if self.signals is not None:
             if self.redundancy or drop_reason is not None:
-                self.control.cancel_group(group_id)
+                self.signals.cancel_group(group_id)
             if drop_reason is not None:
-                self.control.request_groups(1)
+                self.signals.request_groups(1)
         if drop_reason is not None:
             self._drop(drop_reason, tag)
             self._group_drops[drop_reason] += 1
@@ -286,7 +286,7 @@ class GroupAssembler(BaseNode[Group]):
 
     def _forget_settled(self) -> None:
         """Forget closed ids no member of which can arrive any more (bounded memory)."""
-        settled = self.control.settled_below if self.control is not None else 0
+        settled = self.signals.settled_below if self.signals is not None else 0
         if settled > self._pruned_below:
             self._closed = {g for g in self._closed if g >= settled}
             self._pruned_below = settled

@@ -12,7 +12,7 @@ run inline on the loop (unless ``env_workers > 0`` asks for threads for every en
 The upstream node is pulled on a thread of its own, never on the loop, so a slow or
 blocking node before the rollout does not stall generation. Collection continues in the
 background between ``next()`` calls — while the trainer computes — up to
-``max_buffered`` finished trajectories; the admission gate (``RolloutControl``) stops
+``max_buffered`` finished trajectories; the admission gate (``UpstreamSignals``) stops
 it. With ``in_order=True`` (as torchdata's ``ParallelMapper``) trajectories come out in
 admission order, which makes runs and checkpoint restores reproducible;
 ``in_order=False`` yields them as they finish. A checkpoint records the specs admitted
@@ -44,7 +44,7 @@ from rollpipe.agent.records import EpisodeSpec, Trajectory
 from rollpipe.engines.protocol import Engine
 from rollpipe.nodes.admitted import Admitted
 from rollpipe.nodes.closing import close_chain
-from rollpipe.nodes.signals import RolloutControl
+from rollpipe.nodes.signals import UpstreamSignals
 from rollpipe.runtime import Runtime, RuntimeClosedError, Signal
 
 _END = object()  # the stream is over (a coroutine cannot raise StopIteration)
@@ -88,7 +88,7 @@ class Rollout(BaseNode[Trajectory]):
             pooled and reused; ``env_ids`` in the rows name the instance.
         max_buffered: finished trajectories held, not yet yielded, before admission
             pauses (default ``4 * concurrency``).
-        control: shared :class:`RolloutControl` (admission gate, cancelled groups).
+        signals: shared :class:`UpstreamSignals` (admission gate, cancelled groups).
     """
 
     def __init__(
@@ -101,7 +101,7 @@ class Rollout(BaseNode[Trajectory]):
         *,
         env_factory: EnvForSpec | None = None,
         max_buffered: int | None = None,
-        control: RolloutControl | None = None,
+        signals: UpstreamSignals | None = None,
     ) -> None:
         super().__init__()
         self.settings = RolloutSettings() if settings is None else settings
@@ -112,7 +112,7 @@ class Rollout(BaseNode[Trajectory]):
         self.chat = chat if isinstance(chat, ChatFormat) else self.episode.chat_format(chat)
         self.in_order = self.settings.in_order is not False  # None (auto): admission order
         self.max_buffered = max_buffered or 4 * concurrency
-        self.control = control or RolloutControl()
+        self.signals = signals or UpstreamSignals()
         self._envs = EnvPool(env_factory)
         self._runtime: Runtime = engine.runtime
         self._scope = self._runtime.scope("Rollout")
@@ -120,7 +120,7 @@ class Rollout(BaseNode[Trajectory]):
         self._source_thread = concurrent.futures.ThreadPoolExecutor(1, "rollpipe-source")
         self._env_threads = EnvThreads(self.settings.env_workers or concurrency)
         self._wakeup = Signal()  # the driver's: room to admit, the gate opened, a cancel...
-        self.control.add_listener(self._wakeup.notify)
+        self.signals.add_listener(self._wakeup.notify)
         self._driver: asyncio.Task[None] | None = None
         self._closed = False
         self._clear()
@@ -132,7 +132,7 @@ class Rollout(BaseNode[Trajectory]):
         self._requeue: deque[EpisodeSpec] = deque()  # restored specs to run first
         self._last_pulled: int | None = None  # group id of the last spec pulled
         self._source_done = False
-        self._requests_at_stop = 0  # control.requests_made when the source last ran dry
+        self._requests_at_stop = 0  # signals.requests_made when the source last ran dry
         self._source_state: dict[str, Any] | None = None
         self._failure: BaseException | None = None
         self._ready: asyncio.Event | None = None  # a result (or the end, or a failure)
@@ -195,7 +195,7 @@ class Rollout(BaseNode[Trajectory]):
         return (
             len(self._live) < self.concurrency
             and len(self._book.results) < self.max_buffered
-            and self.control.is_open
+            and self.signals.is_open
         )
 
     def _may_pull(self) -> bool:
@@ -234,7 +234,7 @@ class Rollout(BaseNode[Trajectory]):
         """Source thread: the next spec, the source's state after it, and how many groups
         had been requested before the pull (a source that stops is pulled again only
         once more are requested)."""
-        requests_made = self.control.requests_made
+        requests_made = self.signals.requests_made
         try:
             spec = next(self.source)
         except StopIteration:
@@ -243,7 +243,7 @@ class Rollout(BaseNode[Trajectory]):
 
     def _admit(self, spec: EpisodeSpec) -> None:
         index = self._book.admit(spec)
-        if self.control.is_cancelled(spec.group_id):
+        if self.signals.is_cancelled(spec.group_id):
             self._finish(index, None)
             return
         task = asyncio.get_running_loop().create_task(self._run(spec))
@@ -261,7 +261,7 @@ class Rollout(BaseNode[Trajectory]):
                 self.chat,
                 self.episode,
                 env_id=env_id,
-                admit=self.control.admit,
+                admit=self.signals.admit,
                 env_threads=self._env_threads,
                 env_lease=lease,  # an env is reused only once no call of it runs
                 env_calls_on_threads=self.settings.env_workers > 0,
@@ -286,7 +286,7 @@ class Rollout(BaseNode[Trajectory]):
         self._wakeup.notify()
 
     def _cancel_unwanted(self) -> None:
-        cancelled = self.control.cancelled_groups()
+        cancelled = self.signals.cancelled_groups()
         if not cancelled:
             return
         for index, task in self._live.items():
@@ -307,7 +307,7 @@ class Rollout(BaseNode[Trajectory]):
 
     def _new_requests(self) -> bool:
         """More groups were requested or granted since the source last ran dry."""
-        return self.control.requests_made > self._requests_at_stop
+        return self.signals.requests_made > self._requests_at_stop
 
     def _is_over(self) -> bool:
         return (
@@ -324,10 +324,10 @@ class Rollout(BaseNode[Trajectory]):
         while (popped := self._book.pop()) is not None:
             spec, result = popped
             wanted = result is not None and (
-                result.end_reason == "error" or not self.control.is_cancelled(spec.group_id)
+                result.end_reason == "error" or not self.signals.is_cancelled(spec.group_id)
             )
             lowest = self._book.lowest_group(list(self._requeue), self._last_pulled)
-            self.control.settle_below(spec.group_id if lowest is None else lowest)
+            self.signals.settle_below(spec.group_id if lowest is None else lowest)
             if wanted:
                 return result
         return None
@@ -373,7 +373,7 @@ class Rollout(BaseNode[Trajectory]):
         self._scope.close(
             RuntimeClosedError("the Rollout was closed; build a new pipeline to go on")
         )
-        self.control.remove_listener(self._wakeup.notify)
+        self.signals.remove_listener(self._wakeup.notify)
         deadline = time.monotonic() + CLOSE_WAIT_S
         if self._runtime.alive:
             stopping = self._runtime.submit(self._stop_all())

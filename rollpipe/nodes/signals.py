@@ -4,7 +4,7 @@ Records flow one way (specs → trajectories → groups → batches). Three sign
 back: admission (read from the pipeline's one ``Suspension``: no new episode or engine
 request while the trainer updates weights), group cancellations (redundant members no
 longer needed) and requests for more groups (the pipeline's grants, and replacements
-for a group that was filtered, stale or errored). One ``RolloutControl`` is shared by
+for a group that was filtered, stale or errored). One ``UpstreamSignals`` is shared by
 the stages of a pipeline; each stage that needs it takes it as an argument, so a
 stage used alone needs none. A stage that must react to a signal at once (the rollout's
 admission driver) registers a listener, called on every change from whatever thread
@@ -20,11 +20,11 @@ from rollpipe._utils.checks import check_int
 from rollpipe.nodes.suspension import Suspension
 
 
-class RolloutControl:
+class UpstreamSignals:
     """Admission, cancelled groups, grants and replacement requests, safe across threads.
 
     Admission is ``suspension``'s (the pipeline's one ``Suspension``; a fresh one, with
-    no engine, when none is given): its changes reach this control's listeners too.
+    no engine, when none is given): its changes reach these signals' listeners too.
     """
 
     def __init__(self, suspension: Suspension | None = None) -> None:
@@ -122,7 +122,7 @@ class RolloutControl:
 
     @property
     def requests_made(self) -> int:
-        """Groups requested or granted since this control was made (only grows): a source
+        """Groups requested or granted since these signals were made (only grows): a source
         that ran dry is worth pulling again once this passes what it was then."""
         with self._lock:
             return self._made
