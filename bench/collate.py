@@ -37,8 +37,8 @@ import torch.nn.functional as F
 
 from bench.common import BenchContext, Figures, median, rounded, timed
 from rollpipe.agent.records import EpisodeSpec, Trajectory, Turn
-from rollpipe.data.columns import object_array
 from rollpipe.data.proto import DataProto
+from rollpipe.data.proto.columns import object_array
 from rollpipe.data.rows import trajectory_rows
 
 PAD_ID = 0

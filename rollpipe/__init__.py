@@ -13,8 +13,8 @@ __version__ = "0.1.0"
 
 _EXPORTS: dict[str, str] = {
     "DataProto": "rollpipe.data.proto",
-    "pad_to_divisor": "rollpipe.data.divisor",
-    "unpad": "rollpipe.data.divisor",
+    "pad_to_divisor": "rollpipe.data.proto.divisor",
+    "unpad": "rollpipe.data.proto.divisor",
     "EpisodeSpec": "rollpipe.agent.records",
     "Turn": "rollpipe.agent.records",
     "Trajectory": "rollpipe.agent.records",
@@ -62,8 +62,8 @@ if TYPE_CHECKING:
     from rollpipe.agent.episode import EpisodeSettings, run_episode
     from rollpipe.agent.records import EpisodeSpec, Group, Trajectory, Turn
     from rollpipe.config import PipelineConfig
-    from rollpipe.data.divisor import pad_to_divisor, unpad
     from rollpipe.data.proto import DataProto
+    from rollpipe.data.proto.divisor import pad_to_divisor, unpad
     from rollpipe.data.roll_layout import to_roll
     from rollpipe.data.rows import step_rows, trajectory_rows
     from rollpipe.data.verl_layout import to_verl

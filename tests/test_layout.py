@@ -1,5 +1,6 @@
 """The package's layout rules, checked on the source: no import cycles, no module over 400
-lines, no polling loops; and the suite's: no test that waits by sleeping."""
+lines unless listed as one concept, private modules used only in their package, no
+polling loops; and the suite's: no test that waits by sleeping."""
 
 from __future__ import annotations
 
@@ -145,13 +146,46 @@ def test_no_import_cycles() -> None:
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
-def test_no_module_over_400_lines() -> None:
-    long = {
-        name: n
-        for name, path in _modules().items()
-        if (n := len(path.read_text().splitlines())) > MAX_LINES
+LONGER_MODULES: dict[str, str] = {
+    "rollpipe.agent.records": "the episode's four records (spec, turn, trajectory, group) "
+    "with their checkpoint round-trips: one data model, read together",
+}
+"""Modules allowed over ``MAX_LINES``, each with the reason it is still one concept."""
+
+
+def test_modules_are_concepts_not_lengths() -> None:
+    """A module holds one concept; past ``MAX_LINES`` it is usually two. A concept that is
+    longer is listed in ``LONGER_MODULES`` with its reason (and leaves it when it shrinks);
+    a concept too long for one file is a package whose private (underscore) helper modules
+    sit beside it (``test_private_modules_stay_in_their_package``)."""
+    lengths = {name: len(path.read_text().splitlines()) for name, path in _modules().items()}
+    long = {name: n for name, n in lengths.items() if n > MAX_LINES and name not in LONGER_MODULES}
+    assert not long, (
+        f"modules over {MAX_LINES} lines: {long}; split them by concept, or list one in "
+        "LONGER_MODULES with the reason it is one concept"
+    )
+    stale = {name for name in LONGER_MODULES if lengths.get(name, 0) <= MAX_LINES}
+    assert not stale, f"LONGER_MODULES lists modules no longer over {MAX_LINES} lines: {stale}"
+
+
+def _private_owner(module: str) -> str | None:
+    """The package that owns ``module`` when its own name starts with ``_``, else None."""
+    package, _, leaf = module.rpartition(".")
+    return package if leaf.startswith("_") and not leaf.startswith("__") else None
+
+
+def test_private_modules_stay_in_their_package() -> None:
+    """``rollpipe/data/proto/_meta.py`` is DataProto's helper: only modules of
+    ``rollpipe.data.proto`` import it, so the concept reads as one package."""
+    outside = {
+        (name, target)
+        for name, targets in import_graph().items()
+        for target in targets
+        if (owner := _private_owner(target)) is not None
+        and owner.startswith("rollpipe.")
+        and not (name == owner or name.startswith(owner + "."))
     }
-    assert not long, f"modules over {MAX_LINES} lines (split them by concept): {long}"
+    assert not outside, f"private modules imported from outside their package: {outside}"
 
 
 def _is_zero(node: ast.expr) -> bool:

@@ -8,8 +8,8 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from rollpipe.data.divisor import pad_dataproto_to_divisor, pad_to_divisor, unpad
 from rollpipe.data.proto import DataProto
+from rollpipe.data.proto.divisor import pad_dataproto_to_divisor, pad_to_divisor, unpad
 
 
 def make(n: int = 4, **meta) -> DataProto:

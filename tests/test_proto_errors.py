@@ -9,9 +9,9 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rollpipe.data.columns import object_array
-from rollpipe.data.divisor import pad_to_divisor, unpad
 from rollpipe.data.proto import DataProto
+from rollpipe.data.proto.columns import object_array
+from rollpipe.data.proto.divisor import pad_to_divisor, unpad
 
 
 def make(n: int = 4, **meta) -> DataProto:

@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollpipe.data.divisor import pad_to_divisor, unpad
 from rollpipe.data.proto import DataProto
+from rollpipe.data.proto.divisor import pad_to_divisor, unpad
 
 SETTINGS = settings(max_examples=50, deadline=None)
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rollpipe.data.columns import object_array
+from rollpipe.data.proto.columns import object_array
 from rollpipe.data.realign import (
     NativeBatch,
     columns_of,

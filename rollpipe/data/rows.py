@@ -44,9 +44,9 @@ import numpy as np
 import torch
 
 from rollpipe.agent.records import Trajectory
-from rollpipe.data.columns import object_array
 from rollpipe.data.padding import FlatLayout, flat_layout, padded_tokens
 from rollpipe.data.proto import DataProto
+from rollpipe.data.proto.columns import object_array
 
 
 def state_hash(group_id: int, observation: str) -> int:

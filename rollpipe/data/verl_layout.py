@@ -20,7 +20,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from rollpipe.data.columns import object_array
+from rollpipe.data.proto.columns import object_array
 from rollpipe.data.realign import (
     NativeBatch,
     columns_of,

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from torchdata.nodes import Mapper
 
 from rollpipe.agent.records import EpisodeSpec, Trajectory, Turn
-from rollpipe.data.columns import object_array
 from rollpipe.data.proto import DataProto
+from rollpipe.data.proto.columns import object_array
 from rollpipe.nodes.batch import TrajectoryBatch
 from rollpipe.pipeline import PipelineConfig, RolloutPipeline
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from rollpipe.data.columns import as_object_column, short_repr
+from rollpipe.data.proto.columns import as_object_column, short_repr
 
 __all__ = [
     "check_slice",

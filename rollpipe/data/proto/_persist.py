@@ -1,6 +1,6 @@
 """Pickling and disk I/O of a ``DataProto``: its tensors travel as one consolidated buffer.
 
-Nothing here knows ``DataProto`` (the class is passed in), so ``proto.py`` reads as its API.
+Nothing here knows ``DataProto`` (the class is passed in), so ``dataproto.py`` reads as its API.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Columns of a ``DataProto``: 1-D object arrays for non-tensors, and the checks that keep
 every column one entry per row (construction, update, union, concat, key lookups).
 
-Nothing here knows DataProto, so ``proto.py`` reads as the class's API.
+Nothing here knows DataProto, so ``dataproto.py`` reads as the class's API.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
 
-from rollpipe.data.equality import values_equal
+from rollpipe.data.proto._equality import values_equal
 
 __all__ = [
     "as_object_column",
@@ -58,7 +58,8 @@ def as_object_column(key: str, value: Any) -> np.ndarray:
         if value.ndim != 1:
             raise ValueError(
                 f"non-tensor column {key!r} must be a 1-D array (one entry per row), got shape "
-                f"{value.shape}; build it with rollpipe.data.columns.object_array(list_of_rows)"
+                f"{value.shape}; "
+                "build it with rollpipe.data.proto.columns.object_array(list_of_rows)"
             )
         return value if value.dtype == object else object_array(value.tolist())
     if isinstance(value, (list, tuple)):
@@ -171,7 +172,8 @@ def check_fields(batch: TensorDictBase | None, columns: Mapping[str, Any], meta:
             what = f"shape {col.shape} {col.dtype}" if isinstance(col, np.ndarray) else col
             raise ValueError(
                 f"non_tensor_batch[{key!r}] must be a 1-D numpy object array, got "
-                f"{short_repr(what)}; build it with rollpipe.data.columns.object_array(values)"
+                f"{short_repr(what)}; "
+                "build it with rollpipe.data.proto.columns.object_array(values)"
             )
         if n is not None and len(col) != n:
             raise ValueError(

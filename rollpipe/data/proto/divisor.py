@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from rollpipe.data.indexing import check_count
-from rollpipe.data.proto import DataProto
+from rollpipe.data.proto._indexing import check_count
+from rollpipe.data.proto.dataproto import DataProto
 
 __all__ = ["pad_dataproto_to_divisor", "pad_to_divisor", "unpad", "unpad_dataproto"]
 

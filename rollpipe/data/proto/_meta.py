@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rollpipe.data.columns import short_repr
-from rollpipe.data.equality import values_equal
+from rollpipe.data.proto._equality import values_equal
+from rollpipe.data.proto.columns import short_repr
 
 __all__ = ["merge_meta_info"]
 

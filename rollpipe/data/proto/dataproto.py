@@ -19,8 +19,21 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
 
-from rollpipe.data import arguments as args
-from rollpipe.data.columns import (
+from rollpipe.data.proto import _arguments as args
+from rollpipe.data.proto._equality import values_equal
+from rollpipe.data.proto._indexing import (
+    check_count,
+    check_permutation,
+    chunk_sizes,
+    group_indices,
+    minibatch_orders,
+    normalize_index,
+    repeat_counts,
+)
+from rollpipe.data.proto._meta import merge_meta_info
+from rollpipe.data.proto._persist import load_checked, pickled_state, save_checked
+from rollpipe.data.proto._tensordicts import join_tensordict, split_tensordict
+from rollpipe.data.proto.columns import (
     assign_columns,
     build_columns,
     check_fields,
@@ -32,19 +45,6 @@ from rollpipe.data.columns import (
     keys_arg,
     short_repr,
 )
-from rollpipe.data.equality import values_equal
-from rollpipe.data.indexing import (
-    check_count,
-    check_permutation,
-    chunk_sizes,
-    group_indices,
-    minibatch_orders,
-    normalize_index,
-    repeat_counts,
-)
-from rollpipe.data.meta import merge_meta_info
-from rollpipe.data.persist import load_checked, pickled_state, save_checked
-from rollpipe.data.tensordicts import join_tensordict, split_tensordict
 
 __all__ = ["DataProto"]
 

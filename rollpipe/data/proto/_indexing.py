@@ -12,7 +12,7 @@ from torch import Tensor
 from rollpipe._utils.checks import check_int
 from rollpipe._utils.freeze import freeze
 from rollpipe._utils.seeding import derive_seed
-from rollpipe.data.columns import short_repr
+from rollpipe.data.proto.columns import short_repr
 
 __all__ = [
     "check_count",

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
-from rollpipe.data.columns import object_array
+from rollpipe.data.proto.columns import object_array
 
 __all__ = ["join_tensordict", "split_tensordict"]
 
