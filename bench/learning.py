@@ -3,7 +3,7 @@
 On the warm start that ships with rollpipe (its own vLLM engine, float32):
 
 * ``warm_start_success`` / ``warm_start_score`` — held-out FrozenLake success and mean
-  score, greedy, through the pipeline (:func:`rollpipe.policy.evaluate.evaluate`), next
+  score, greedy, through the pipeline (:func:`rollpipe.training.evaluate.evaluate`), next
   to ``random_valid_success`` (a uniformly random valid action on the same seeds) and
   ``warm_start_build_s`` (the build time recorded when the shipped copy was built);
 * ``logprob_gap_mean`` / ``logprob_gap_max`` — |``infer_logprobs`` − the trainer's
@@ -12,7 +12,7 @@ On the warm start that ships with rollpipe (its own vLLM engine, float32):
 * ``trainer_shared_prefix_speedup`` — a GRPO forward and backward over a real batch,
   plain ÷ with the shared prefix run once (``token_logprobs(share_prefix=True)``);
 * ``grpo_success_gain`` — held-out success after ``grpo_steps`` GRPO steps minus before
-  (:func:`rollpipe.policy.grpo_loop.train`), the median over ``grpo_seeds`` training
+  (:func:`rollpipe.training.grpo_loop.train_grpo`), the median over ``grpo_seeds`` training
   seeds, with ``grpo_minutes`` (the median run's wall time, evaluations included).
 """
 
@@ -30,9 +30,9 @@ from rollpipe.config import PipelineConfig
 from rollpipe.engines.vllm import VLLMEngine
 from rollpipe.grpo import token_logprobs
 from rollpipe.pipeline import RolloutPipeline
-from rollpipe.policy.evaluate import evaluate, random_valid_success
-from rollpipe.policy.grpo_loop import train
-from rollpipe.policy.warm_start import RECIPE_FILE, warm_start_model_path
+from rollpipe.training.evaluate import evaluate, random_valid_success
+from rollpipe.training.grpo_loop import train_grpo
+from rollpipe.training.warm_start import RECIPE_FILE, warm_start_model_path
 
 GRPO = {"batch_size": 128, "group_size": 8, "lr": 2e-4, "warmup": 5, "turn_weight": 1.0}
 
@@ -111,7 +111,7 @@ def run(ctx: BenchContext) -> Figures:
     runs = []
     for seed in seeds:
         ctx.log(f"  GRPO seed {seed}: {steps} steps")
-        out = train(
+        out = train_grpo(
             steps=steps,
             seed=seed,
             eval_every=0,

@@ -21,9 +21,9 @@ from tensordict import TensorDict
 from torch import nn
 from torch.distributions import Categorical
 
-from rollpipe.ppo.buffer import RolloutBuffer, iterate_minibatches, transition_view
-from rollpipe.ppo.gae import compute_gae
-from rollpipe.ppo.vector_collector import VectorCollector
+from rollpipe.training.gae import compute_gae
+from rollpipe.training.ppo_buffer import RolloutBuffer, iterate_minibatches, transition_view
+from rollpipe.training.vector_collector import VectorCollector
 
 
 def _layer(n_in: int, n_out: int, std: float = math.sqrt(2)) -> nn.Linear:

@@ -52,7 +52,7 @@ _EXPORTS: dict[str, str] = {
     "PipelineNodes": "rollpipe.pipeline",
     "RolloutPipeline": "rollpipe.pipeline",
     "build_nodes": "rollpipe.pipeline",
-    "RolloutBuffer": "rollpipe.ppo.buffer",
+    "RolloutBuffer": "rollpipe.training.ppo_buffer",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -80,7 +80,7 @@ if TYPE_CHECKING:
     from rollpipe.nodes.signals import UpstreamSignals
     from rollpipe.nodes.suspension import Suspension
     from rollpipe.pipeline import PipelineNodes, RolloutPipeline, build_nodes
-    from rollpipe.ppo.buffer import RolloutBuffer
+    from rollpipe.training.ppo_buffer import RolloutBuffer
 
 
 def __getattr__(name: str) -> Any:

@@ -1,5 +1,5 @@
 """The ``rollpipe`` command: ``rollpipe run`` (the main job), ``rollpipe train`` (GRPO
-from the warm start, :mod:`rollpipe.policy.train_command`) and ``rollpipe inspect``.
+from the warm start, :mod:`rollpipe.training.train_command`) and ``rollpipe inspect``.
 
 ``rollpipe run`` with no arguments runs FrozenLake rollouts on the vLLM engine with the
 warm-started policy that ships with rollpipe (it plays: success well above zero) and
@@ -27,7 +27,7 @@ from rich.table import Table
 
 from rollpipe.engines.records import EngineError
 from rollpipe.pipeline import PipelineConfig
-from rollpipe.policy.train_command import add_train_arguments, train_from_args
+from rollpipe.training.train_command import add_train_arguments, train_from_args
 
 # flag name -> PipelineConfig field
 CONFIG_FLAGS = {
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from rollpipe.data.readable import decode_row
     from rollpipe.engines.tiny_model import default_model_path
     from rollpipe.pipeline import RolloutPipeline
-    from rollpipe.policy.warm_start import warm_start_model_path
+    from rollpipe.training.warm_start import warm_start_model_path
 
     config = load_config(args)
     if args.batches < 1:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from rollpipe.ppo.buffer import (
+from rollpipe.training.ppo_buffer import (
     RolloutBuffer,
     RolloutBufferError,
     is_transition_view,

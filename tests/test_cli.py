@@ -134,7 +134,7 @@ def test_run_on_two_engines_in_their_own_processes(tmp_path):
 def test_run_defaults_to_the_warm_start_which_plays(tmp_path, capsys):
     """`rollpipe run` with no --model uses the shipped warm start, and it wins episodes
     (the random tiny model never writes a valid answer)."""
-    from rollpipe.policy.warm_start import SHIPPED_DIR
+    from rollpipe.training.warm_start import SHIPPED_DIR
 
     out = tmp_path / "out"
     args = ["--batches", "1", "--batch-size", "16", "--group-size", "4", "--max-turns", "6"]

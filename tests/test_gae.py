@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollpipe.ppo.buffer import RolloutBuffer, transition_view
-from rollpipe.ppo.gae import compute_gae, gae
+from rollpipe.training.gae import compute_gae, gae
+from rollpipe.training.ppo_buffer import RolloutBuffer, transition_view
 
 
 def reference_gae(

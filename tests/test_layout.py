@@ -391,3 +391,23 @@ def test_every_public_name_resolves():
         value = getattr(rollpipe, name)
         module = importlib.import_module(rollpipe._EXPORTS[name])
         assert getattr(module, name) is value, name
+
+
+TRAINING = "rollpipe.training"
+TRAINING_USERS = {"rollpipe", "rollpipe.cli"}
+"""What may import the training package: the lazy re-export table (``RolloutBuffer``) and
+the CLI (``rollpipe train``)."""
+
+
+def test_the_rollout_core_does_not_import_training() -> None:
+    """The demo trainer, SFT, expert and PPO pieces stay out of the rollout core's path."""
+    graph = import_graph()
+    exports = _lazy_exports(ast.parse(_modules()["rollpipe"].read_text()))
+    assert any(m.startswith(TRAINING) for m in exports.values())  # the check can see one
+    users = {
+        name
+        for name, targets in graph.items()
+        if not name.startswith(TRAINING)
+        and any(t == TRAINING or t.startswith(TRAINING + ".") for t in targets)
+    }
+    assert users <= TRAINING_USERS, f"rollout-core modules importing {TRAINING}: {users}"

@@ -22,8 +22,8 @@ from rollpipe.engines.records import Generation, SamplingParams
 from rollpipe.envs.frozenlake import FrozenLake, shortest_path
 from rollpipe.envs.sokoban import Sokoban
 from rollpipe.envs.sokoban_gen import solve
-from rollpipe.policy.expert import action_token_ids, expert_episode, optimal_actions
-from rollpipe.policy.warm_start import (
+from rollpipe.training.expert import action_token_ids, expert_episode, optimal_actions
+from rollpipe.training.warm_start import (
     DEFAULT_RECIPE,
     SHIPPED_DIR,
     WarmStartRecipe,
@@ -160,7 +160,7 @@ def test_warm_start_is_shipped_and_learned_the_expert() -> None:
     and pick an optimal action on most held-out expert states."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollpipe.policy.sft import batch_loss
+    from rollpipe.training.sft import batch_loss
 
     path = warm_start_model_path()
     assert path == SHIPPED_DIR
@@ -181,7 +181,7 @@ def test_warm_start_plays_through_the_pipeline() -> None:
     from transformers import AutoTokenizer
 
     from rollpipe.engines.vllm import VLLMEngine
-    from rollpipe.policy.evaluate import evaluate, random_valid_success
+    from rollpipe.training.evaluate import evaluate, random_valid_success
 
     path = warm_start_model_path()
     tok = AutoTokenizer.from_pretrained(path)

@@ -10,8 +10,8 @@ from torch import nn
 from torchdata.nodes import Loader
 
 from rollpipe._utils.seeding import derive_seed
-from rollpipe.ppo.buffer import RolloutBuffer
-from rollpipe.ppo.vector_collector import VectorCollector
+from rollpipe.training.ppo_buffer import RolloutBuffer
+from rollpipe.training.vector_collector import VectorCollector
 
 
 class BalancePolicy(nn.Module):

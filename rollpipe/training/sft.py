@@ -9,7 +9,7 @@ through the shared cache exactly as through ``B`` copies.
 The loss is the response tokens only: ordinary cross-entropy on the answer's scaffold
 tokens (``<answer``, ``</``, ``answer``, ``>``, end of turn) and, on the action token,
 ``-log P(any optimal action)`` (the set comes with the episode, see
-:mod:`rollpipe.policy.expert`). The two are averaged separately and added.
+:mod:`rollpipe.training.expert`). The two are averaged separately and added.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from rollpipe.policy.expert import OBSERVATION, RESPONSE, ExpertEpisode
+from rollpipe.training.expert import OBSERVATION, RESPONSE, ExpertEpisode
 
-__all__ = ["batch_loss", "length_batches", "train"]
+__all__ = ["batch_loss", "length_batches", "train_sft"]
 
 
 def _common_prefix(rows: Sequence[torch.Tensor]) -> int:
@@ -115,7 +115,7 @@ def length_batches(
             yield batches[j]
 
 
-def train(
+def train_sft(
     model: torch.nn.Module,
     batches: Iterator[list[ExpertEpisode]],
     pad_id: int,

@@ -22,7 +22,7 @@ from torchdata.nodes import BaseNode
 
 from rollpipe._utils.checks import check_int
 from rollpipe._utils.seeding import derive_seed
-from rollpipe.ppo.buffer import RolloutBuffer
+from rollpipe.training.ppo_buffer import RolloutBuffer
 
 __all__ = ["ActorCritic", "VectorCollector"]
 

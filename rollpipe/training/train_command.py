@@ -1,7 +1,7 @@
 """``rollpipe train``: GRPO from the warm start on CPU, with a learning curve.
 
 The same options as ``examples/grpo_train.py``; each maps onto
-:func:`rollpipe.policy.grpo_loop.train` (see docs/learning.md). The defaults are the
+:func:`rollpipe.training.grpo_loop.train_grpo` (see docs/learning.md). The defaults are the
 measured run: 120 steps of 128 trajectories (16 groups of 8), lr 2e-4, GiGPO advantages,
 held-out success on 200 seeds every 40 steps, about 11 minutes on 2 CPU cores.
 """
@@ -45,15 +45,15 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 
 def train_from_args(args: argparse.Namespace, console: Console | None = None) -> dict[str, Any]:
-    """Run :func:`~rollpipe.policy.grpo_loop.train` with the parsed options."""
+    """Run :func:`~rollpipe.training.grpo_loop.train_grpo` with the parsed options."""
     for name, low in _AT_LEAST.items():
         value = getattr(args, name)
         if value < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the per-step table readable
-    from rollpipe.policy.grpo_loop import train  # torch and transformers: not for --help
+    from rollpipe.training.grpo_loop import train_grpo  # torch and transformers: not for --help
 
-    return train(
+    return train_grpo(
         steps=args.steps,
         batch_size=args.batch_size,
         group_size=args.group_size,

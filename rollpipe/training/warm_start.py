@@ -8,9 +8,9 @@ and vLLM load it) in three steps, deterministic from ``recipe.seed``:
    grid cells (``__``, ``_P``, ``#\\n``, ...): every cell of a FrozenLake or Sokoban grid
    is then one token, so a row's column is its token's distance from the newline. Token
    ids are unchanged (the merged tokens stay in the vocabulary, unused);
-2. expert episodes (:mod:`rollpipe.policy.expert`) in exactly the ids the pipeline
+2. expert episodes (:mod:`rollpipe.training.expert`) in exactly the ids the pipeline
    sends, on seeds derived from ``recipe.seed`` (never :data:`EVAL_SEED`'s);
-3. supervised training on response tokens (:mod:`rollpipe.policy.sft`).
+3. supervised training on response tokens (:mod:`rollpipe.training.sft`).
 
 ``warm_start_model_path()`` is what the CLI, the demo and the GRPO example use: the
 copy shipped inside the package when it was built from the requested recipe, else one
@@ -39,8 +39,8 @@ from rollpipe.agent.chat import DEFAULT_SYSTEM_PROMPT, ChatFormat
 from rollpipe.engines.tiny_model import _cache_root, build_tiny_model
 from rollpipe.envs.frozenlake import FrozenLake
 from rollpipe.envs.sokoban import Sokoban
-from rollpipe.policy.expert import ExpertEpisode, action_token_ids, expert_episode
-from rollpipe.policy.sft import length_batches, train
+from rollpipe.training.expert import ExpertEpisode, action_token_ids, expert_episode
+from rollpipe.training.sft import length_batches, train_sft
 
 __all__ = [
     "DEFAULT_RECIPE",
@@ -225,7 +225,7 @@ def build_warm_start(
             )
             for k, (steps, turns, size) in enumerate(recipe.stages)
         ]
-        history = train(
+        history = train_sft(
             model,
             itertools.chain(*stages),
             tokenizer.pad_token_id,

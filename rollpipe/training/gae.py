@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDictBase
 
-from rollpipe.ppo.buffer import is_transition_view, transition_view
+from rollpipe.training.ppo_buffer import is_transition_view, transition_view
 
 __all__ = ["compute_gae", "gae"]
 

@@ -1,1 +1,0 @@
-"""A policy that plays: expert data, the supervised warm start, held-out evaluation."""

@@ -1,1 +1,0 @@
-"""Classic on-policy RL: a preallocated rollout buffer, GAE and a vector-env collector."""
