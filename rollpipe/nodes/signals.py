@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from rollpipe._utils.checks import check_int
 from rollpipe.nodes.suspension import Suspension
+from rollpipe.runtime import Listeners
 
 
 class UpstreamSignals:
@@ -35,25 +36,16 @@ class UpstreamSignals:
         self._replacements = 0
         self._grants: list[tuple[int, int]] = []  # (groups, step) not yet taken
         self._made = 0  # replacements + grants ever asked for
-        self._listeners: list[Callable[[], None]] = []
-        self.suspension.add_listener(self._changed)
+        self._listeners = Listeners()
+        self.suspension.add_listener(self._listeners.notify)
 
     # -- listeners --------------------------------------------------------------------
     def add_listener(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` after every change (it must be cheap and thread-safe)."""
-        with self._lock:
-            self._listeners.append(listener)
+        self._listeners.add(listener)
 
     def remove_listener(self, listener: Callable[[], None]) -> None:
-        with self._lock:
-            if listener in self._listeners:
-                self._listeners.remove(listener)
-
-    def _changed(self) -> None:
-        with self._lock:
-            listeners = list(self._listeners)
-        for listener in listeners:
-            listener()
+        self._listeners.remove(listener)
 
     # -- admission (the suspension's) ---------------------------------------------------
     @property
@@ -70,7 +62,7 @@ class UpstreamSignals:
         """Members of ``group_id`` still queued or running are no longer wanted."""
         with self._lock:
             self._cancelled.add(group_id)
-        self._changed()
+        self._listeners.notify()
 
     def is_cancelled(self, group_id: int) -> bool:
         with self._lock:
@@ -101,7 +93,7 @@ class UpstreamSignals:
         with self._lock:
             self._replacements += n
             self._made += n
-        self._changed()
+        self._listeners.notify()
 
     def grant_groups(self, n: int, step: int = 0) -> None:
         """Let a metered episode source issue ``n`` more groups, created at training
@@ -113,7 +105,7 @@ class UpstreamSignals:
         with self._lock:
             self._grants.append((n, step))
             self._made += n
-        self._changed()
+        self._listeners.notify()
 
     @property
     def replacements_pending(self) -> int:

@@ -28,7 +28,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, Literal
 
 from rollpipe.engines.protocol import PAUSE_MODES, Engine, PauseMode, WeightsLike
-from rollpipe.runtime import Gate, RuntimeClosedError
+from rollpipe.runtime import Gate, Listeners, RuntimeClosedError
 
 __all__ = ["DEFAULT_MODE", "Suspension", "SuspensionState"]
 
@@ -71,7 +71,7 @@ class Suspension:
         self._asked_by: str | None = None
         self._since: float | None = None
         self._closed: str | None = None
-        self._listeners: list[Callable[[], None]] = []
+        self._listeners = Listeners()
         self._scope = None if engine is None else engine.runtime.scope(f"{name}: suspension")
 
     # -- state -----------------------------------------------------------------------
@@ -127,13 +127,10 @@ class Suspension:
 
     def add_listener(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` after every change of state (cheap and thread-safe)."""
-        with self._lock:
-            self._listeners.append(listener)
+        self._listeners.add(listener)
 
     def remove_listener(self, listener: Callable[[], None]) -> None:
-        with self._lock:
-            if listener in self._listeners:
-                self._listeners.remove(listener)
+        self._listeners.remove(listener)
 
     @contextlib.contextmanager
     def _changing(self) -> Iterator[None]:
@@ -145,10 +142,7 @@ class Suspension:
             self._notify()
 
     def _notify(self) -> None:
-        with self._lock:
-            listeners = list(self._listeners)
-        for listener in listeners:
-            listener()
+        self._listeners.notify()
 
     # -- control ---------------------------------------------------------------------
     def _check_open(self, call: str) -> None:

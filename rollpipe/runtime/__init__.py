@@ -3,6 +3,6 @@ from other threads (``Scope``), and waits that wake instead of polling (``Gate``
 See docs/architecture.md."""
 
 from rollpipe.runtime.loop import Runtime, RuntimeClosedError, Scope
-from rollpipe.runtime.sync import Gate, Signal, fresh_error
+from rollpipe.runtime.sync import Gate, Listeners, Signal, fresh_error
 
-__all__ = ["Gate", "Runtime", "RuntimeClosedError", "Scope", "Signal", "fresh_error"]
+__all__ = ["Gate", "Listeners", "Runtime", "RuntimeClosedError", "Scope", "Signal", "fresh_error"]

@@ -12,8 +12,9 @@ import asyncio
 import contextlib
 import copy
 import threading
+from collections.abc import Callable
 
-__all__ = ["Gate", "Signal", "fresh_error"]
+__all__ = ["Gate", "Listeners", "Signal", "fresh_error"]
 
 _Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]
 
@@ -28,16 +29,12 @@ def fresh_error(error: BaseException) -> BaseException:
     return clone.with_traceback(None)
 
 
-def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is None:
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():  # a cancelled waiter stays cancelled
         future.set_result(None)
-    else:
-        future.set_exception(fresh_error(error))
 
 
-def _wake(waiters: list[_Waiter], error: BaseException | None) -> None:
+def _wake(waiters: list[_Waiter]) -> None:
     """Resolve each waiter's future on its own loop (the loop may be this thread's)."""
     try:
         current: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
@@ -45,10 +42,10 @@ def _wake(waiters: list[_Waiter], error: BaseException | None) -> None:
         current = None
     for loop, future in waiters:
         if loop is current:
-            loop.call_soon(_resolve, future, error)
+            loop.call_soon(_resolve, future)
         else:
             with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits
-                loop.call_soon_threadsafe(_resolve, future, error)
+                loop.call_soon_threadsafe(_resolve, future)
 
 
 def _add_waiter(waiters: list[_Waiter]) -> _Waiter:
@@ -60,78 +57,48 @@ def _add_waiter(waiters: list[_Waiter]) -> _Waiter:
 
 
 def _forget(waiter: _Waiter, waiters: list[_Waiter]) -> None:
-    """Unlist a waiter that was cancelled before it was woken (under the owner's lock)."""
-    if not waiter[1].done():
-        with contextlib.suppress(ValueError):
-            waiters.remove(waiter)
+    """Unlist a waiter whose wait ended (under the owner's lock). A woken one is already
+    unlisted (the wake took the whole list); a cancelled one is not, and would stay listed
+    until the next wake-up: memory that grows with every cancelled wait on a closed gate."""
+    with contextlib.suppress(ValueError):
+        waiters.remove(waiter)
 
 
 class Gate:
-    """Open or closed; ``fail(error)`` releases every waiter, now and later, with ``error``.
-
-    ``wait()`` blocks a thread and ``await wait_async()`` suspends a coroutine until the
-    gate is open; both raise the failure once the gate has failed.
-    """
+    """Open or closed; ``await wait_async()`` suspends a coroutine, on any event loop, until
+    the gate is open. ``open()`` and ``close()`` may come from any thread."""
 
     def __init__(self, is_open: bool = True) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
         self._open = is_open
-        self._error: BaseException | None = None
         self._waiters: list[_Waiter] = []
 
     @property
     def is_open(self) -> bool:
         return self._open
 
-    @property
-    def error(self) -> BaseException | None:
-        """The error the gate failed with, or None."""
-        return self._error
-
     def open(self) -> None:
-        with self._cond:
-            if self._error is not None or self._open:
+        with self._lock:
+            if self._open:
                 return
             self._open = True
-            self._cond.notify_all()
             waiters, self._waiters = self._waiters, []
-        _wake(waiters, None)
+        _wake(waiters)
 
     def close(self) -> None:
-        with self._cond:
-            if self._error is None:
-                self._open = False
-
-    def fail(self, error: BaseException) -> None:
-        """Release every waiter with ``error``; later waits raise it too. The first wins."""
-        with self._cond:
-            if self._error is not None:
-                return
-            self._error = error
-            self._cond.notify_all()
-            waiters, self._waiters = self._waiters, []
-        _wake(waiters, error)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until open (True) or ``timeout`` passes (False); raise if failed."""
-        with self._cond:
-            opened = self._cond.wait_for(lambda: self._open or self._error is not None, timeout)
-            if self._error is not None:
-                raise fresh_error(self._error)
-            return opened
+        with self._lock:
+            self._open = False
 
     async def wait_async(self) -> None:
-        """Return once the gate is open; raise if it failed."""
-        with self._cond:
-            if self._error is not None:
-                raise fresh_error(self._error)
+        """Return once the gate is open."""
+        with self._lock:
             if self._open:
                 return
             waiter = _add_waiter(self._waiters)
         try:
             await waiter[1]
         finally:
-            with self._cond:
+            with self._lock:
                 _forget(waiter, self._waiters)
 
 
@@ -151,7 +118,7 @@ class Signal:
         with self._lock:
             self._pending = True
             waiters, self._waiters = self._waiters, []
-        _wake(waiters, None)
+        _wake(waiters)
 
     async def wait(self) -> None:
         """Return at the first notification since the previous ``wait`` returned."""
@@ -166,3 +133,30 @@ class Signal:
             with self._lock:
                 self._pending = False
                 _forget(waiter, self._waiters)
+
+
+class Listeners:
+    """Callbacks told of every change of a shared object, from whatever thread made it.
+
+    Each listener must be cheap and thread-safe (typically a ``Signal.notify``); they are
+    called outside the lock, so a listener may read the object that changed.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._listeners: list[Callable[[], None]] = []
+
+    def add(self, listener: Callable[[], None]) -> None:
+        with self._lock:
+            self._listeners.append(listener)
+
+    def remove(self, listener: Callable[[], None]) -> None:
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+    def notify(self) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener()
