@@ -159,8 +159,8 @@ def test_zero_variance_drop_rule_drops_and_requests_replacements():
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=2, max_size=2), max_size=6))
 def test_keep_and_drop_rules_have_the_polarity_their_names_say(scores):
-    """keep_group=scores_differ, drop_group='zero_variance' and the deprecated
-    filter='zero_variance' keep the same groups: exactly those whose scores differ."""
+    """keep_group=scores_differ and drop_group='zero_variance' keep the same groups:
+    exactly those whose scores differ."""
     trajs = arrivals(len(scores), 2, list(range(2 * len(scores))), scores=scores)
     expected = [g for g, pair in enumerate(scores) if pair[0] != pair[1]]
 
@@ -173,8 +173,6 @@ def test_keep_and_drop_rules_have_the_polarity_their_names_say(scores):
     assert kept(drop_group="zero_variance") == expected
     assert kept(drop_group=zero_variance) == expected
     assert kept(keep_group="scores_differ", drop_group="operator:not_") == expected
-    with pytest.warns(DeprecationWarning, match="drop_group='zero_variance' replaces"):
-        assert kept(filter="zero_variance") == expected
     everything = list(range(len(scores)))
     assert kept(keep_group="operator:truth") == everything  # a non-empty Group is truthy
     assert kept(drop_group="operator.not_") == everything  # ROLL's dotted path form
@@ -201,8 +199,6 @@ def test_rule_errors_name_the_field_and_the_value():
             GroupAssembler(IterableWrapper([]), 2, drop_group=value)
     with pytest.raises(ValueError, match=r"keep_group: 3 is not callable"):
         GroupAssembler(IterableWrapper([]), 2, keep_group=3)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="deprecated name of keep_group"):
-        GroupAssembler(IterableWrapper([]), 2, keep_group="scores_differ", filter="zero_variance")
 
 
 def test_config_validator_names_the_config_field():

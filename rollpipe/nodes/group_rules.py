@@ -40,8 +40,6 @@ KEEP_RULES: dict[str, GroupRule] = {"scores_differ": scores_differ}
 """Names ``keep_group`` accepts (True keeps)."""
 DROP_RULES: dict[str, GroupRule] = {"zero_variance": zero_variance}
 """Names ``drop_group`` accepts (True drops, ROLL's ``GroupFilter.filter`` polarity)."""
-FILTERS: dict[str, GroupRule] = {"zero_variance": scores_differ}
-"""Deprecated: names of the old ``filter=`` (True keeps); ``"zero_variance"`` drops them."""
 
 _RULES = {
     "keep_group": (KEEP_RULES, DROP_RULES, "drop_group"),
@@ -115,15 +113,3 @@ def resolve_group_rule(value: str | GroupRule | None, field: str) -> GroupRule |
 def check_group_rule(inst: object, attribute: Any, value: object) -> None:
     """attrs validator for config fields named ``keep_group`` / ``drop_group``."""
     resolve_group_rule(value, f"{type(inst).__name__}.{attribute.name}")  # type: ignore[arg-type]
-
-
-def resolve_filter(filter: str | GroupRule | None) -> GroupRule | None:
-    """Deprecated ``filter=`` (True keeps): a name in ``FILTERS`` or a callable."""
-    if filter is None or callable(filter):
-        return filter
-    if filter not in FILTERS:
-        raise ValueError(
-            f"filter: unknown name {filter!r}; use one of {sorted(FILTERS)} or a callable "
-            "(filter= is deprecated: use drop_group= or keep_group=)"
-        )
-    return FILTERS[filter]

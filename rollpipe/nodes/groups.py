@@ -11,7 +11,6 @@ strict rule cannot starve the trainer. The rules themselves live in
 
 from __future__ import annotations
 
-import warnings
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -24,12 +23,10 @@ from rollpipe.agent.env_errors import error_entry
 from rollpipe.agent.records import Group, Trajectory
 from rollpipe.nodes.group_rules import (
     DROP_RULES,
-    FILTERS,
     KEEP_RULES,
     GroupRule,
     check_group_rule,
     is_stale,
-    resolve_filter,
     resolve_group_rule,
     scores_differ,
     zero_variance,
@@ -39,14 +36,12 @@ from rollpipe.nodes.starved import starved_message
 
 __all__ = [
     "DROP_RULES",
-    "FILTERS",
     "KEEP_RULES",
     "MAX_ERRORS_KEPT",
     "GroupAssembler",
     "GroupRule",
     "GroupSettings",
     "check_group_rule",
-    "resolve_filter",
     "resolve_group_rule",
     "scores_differ",
     "zero_variance",
@@ -86,8 +81,6 @@ class GroupAssembler(BaseNode[Group]):
         drop_group: drop a complete group when this says True (ROLL's ``filter()``
             polarity): a callable, a name in ``DROP_RULES`` (``"zero_variance"``) or an
             import path. Both may be given: a group must pass both.
-        filter: deprecated alias of ``keep_group`` (``"zero_variance"`` here meant
-            ``drop_group="zero_variance"``); warns.
         max_staleness: drop a group whose oldest token is more than this many policy
             versions behind ``current_version()``.
         current_version: the trainer's current policy version (usually ``engine.version``).
@@ -119,7 +112,6 @@ class GroupAssembler(BaseNode[Group]):
         redundancy: int = 0,
         keep_group: str | GroupRule | None = None,
         drop_group: str | GroupRule | None = None,
-        filter: str | GroupRule | None = None,
         max_staleness: int | None = None,
         current_version: Callable[[], int] | None = None,
         signals: UpstreamSignals | None = None,
@@ -138,19 +130,6 @@ class GroupAssembler(BaseNode[Group]):
                 )
         self.keep_group = resolve_group_rule(keep_group, "GroupAssembler.keep_group")
         self.drop_group = resolve_group_rule(drop_group, "GroupAssembler.drop_group")
-        if filter is not None:
-            if self.keep_group is not None:
-                raise ValueError(
-                    "GroupAssembler: filter= is the deprecated name of keep_group=; give one"
-                )
-            warnings.warn(
-                "GroupAssembler(filter=...) is deprecated: its True keeps a group, the "
-                "opposite of ROLL's filter(). Use keep_group= (True keeps) or drop_group= "
-                "(True drops; drop_group='zero_variance' replaces filter='zero_variance')",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            self.keep_group = resolve_filter(filter)
         self.source = source
         self.group_size = group_size
         self.redundancy = redundancy
