@@ -10,11 +10,11 @@ ignored; ``check_env`` also builds one env, so a bad value of its own fails then
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
 
+from rollpipe._utils.import_path import NotAnImportPath, import_object
 from rollpipe.envs.base import AsyncTextEnv, TextEnv
 
 EnvFactory = Callable[..., TextEnv | AsyncTextEnv]
@@ -60,14 +60,11 @@ def is_import_path(name: object) -> bool:
 
 
 def _imported(path: str) -> EnvFactory:
-    module_name, _, attr = path.partition(":")
     hint = "an import path is 'package.module:Factory' (a class or a callable returning an env)"
-    if not module_name or not attr:
-        raise EnvRegistryError(f"env {path!r}: {hint}")
     try:
-        obj: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
+        obj = import_object(path)
+    except NotAnImportPath:
+        raise EnvRegistryError(f"env {path!r}: {hint}") from None
     except Exception as exc:  # not found, or the module failed to import
         raise EnvRegistryError(
             f"env {path!r}: cannot import it ({type(exc).__name__}: {exc}); {hint}, "

@@ -4,13 +4,13 @@ or import path, resolved and checked once (``resolve_group_rule``, ``check_group
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from rollpipe._utils.import_path import NotAnImportPath, import_object
 from rollpipe.agent.records import Group
 
 GroupRule = Callable[[Group], bool]
@@ -48,24 +48,18 @@ _RULES = {
 
 
 def _import_rule(path: str, field: str, names: dict[str, GroupRule]) -> Any:
-    module_name, sep, attr = path.partition(":")
-    if not sep:  # "package.module.function", as ROLL's class paths are written
-        module_name, _, attr = path.rpartition(".")
     hint = (
         f"give a registered name ({sorted(names)}), a callable Group -> bool, or an import "
         "path 'package.module:function'"
     )
-    if not module_name or not attr:
-        raise ValueError(f"{field}: unknown name {path!r}; {hint}")
     try:
-        obj: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
+        return import_object(path, dotted=True)
+    except NotAnImportPath:
+        raise ValueError(f"{field}: unknown name {path!r}; {hint}") from None
     except Exception as exc:  # not found, or the module failed to import
         raise ValueError(
             f"{field}: cannot import {path!r} ({type(exc).__name__}: {exc}); {hint}"
         ) from exc
-    return obj
 
 
 def resolve_group_rule(value: str | GroupRule | None, field: str) -> GroupRule | None:
