@@ -12,16 +12,24 @@ Two modes:
 * window (``history_window=k``, GiGPO style): every turn's prompt is rendered afresh
   from the last ``k`` (observation, action, reward) entries and the current
   observation, so a prompt's size is bounded whatever the episode length.
+
+Chat envs (tools, chat-message observations, structured actions) render through
+:meth:`ChatFormat.render_messages` with ``tools=``; :class:`rollpipe.agent.dialog.Dialog`
+keeps their conversation token-exact. ``tool_parser`` / ``reasoning_parser`` name the
+model's own vLLM parsers (:mod:`rollpipe.agent.parsers`) that split a response into an
+:class:`~rollpipe.agent.actions.AssistantAction`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
 import attrs
 
+from rollpipe.agent.parsers import ResponseParser
 from rollpipe.agent.records import Turn
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -30,6 +38,14 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 _SENTINEL = "XQZSENTINELZQX"
 PROMPT_CACHE_SIZE = 4096  # observations whose rendered prompt pieces are kept
+
+
+def _parser_name(instance: Any, attribute: attrs.Attribute, value: str | None) -> None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ValueError(
+            f"ChatFormat.{attribute.name} must be None or a vLLM parser name such as "
+            f"'hermes', got {value!r}"
+        )
 
 
 def _window(instance: Any, attribute: attrs.Attribute, value: int | None) -> None:
@@ -56,6 +72,8 @@ class ChatFormat:
             text pieces. After turn 0 the prompt repeats the first observation (it
             states the task) under ``task_header``; ``history_entry`` gets ``step``,
             ``observation``, ``action``, ``reward``; ``current_header`` gets ``step``.
+        tool_parser / reasoning_parser: names of the model's vLLM parsers (``"hermes"``,
+            ``"qwen3"``, ...) for chat envs; checked against the tokenizer here.
     """
 
     tokenizer: Any = attrs.field(eq=False, repr=False)
@@ -68,6 +86,8 @@ class ChatFormat:
     )
     current_header: str = "Step {step}. Current observation:"
     task_header: str = "The task, as first shown:"
+    tool_parser: str | None = attrs.field(default=None, validator=_parser_name)
+    reasoning_parser: str | None = attrs.field(default=None, validator=_parser_name)
     _eot_id: int | None = attrs.field(init=False, eq=False, repr=False, default=None)
     # Per-observation caches of the rendered and tokenized pieces (conversation mode and
     # every turn 0): envs repeat observations (a group shares its first one, FrozenLake
@@ -77,6 +97,9 @@ class ChatFormat:
     )
     _suffix_cached: Callable[[str], tuple[int, ...]] = attrs.field(
         init=False, eq=False, repr=False, default=None
+    )
+    _parsers: dict[str, ResponseParser] = attrs.field(
+        init=False, eq=False, repr=False, factory=dict
     )
 
     def __attrs_post_init__(self) -> None:
@@ -91,6 +114,8 @@ class ChatFormat:
         first = self._suffix_ids("x")[0]
         special = set(self.tokenizer.all_special_ids)
         object.__setattr__(self, "_eot_id", first if first in special else None)
+        if self.parses_responses:
+            self.response_parser(())  # a name unknown to vLLM, or unfit for the tokenizer
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle the settings only; the caches are rebuilt on the other side."""
@@ -194,6 +219,58 @@ class ChatFormat:
     def decode(self, response_ids: Sequence[int]) -> str:
         """The action text of a response: its tokens decoded without special tokens."""
         return str(self.tokenizer.decode(list(response_ids), skip_special_tokens=True))
+
+    # -- chat envs --------------------------------------------------------------------
+    @property
+    def parses_responses(self) -> bool:
+        """Whether a tool or reasoning parser is set."""
+        return self.tool_parser is not None or self.reasoning_parser is not None
+
+    def system_messages(self) -> list[dict[str, str]]:
+        """The system message a conversation starts with (none if ``system_prompt`` is None)."""
+        return self._system()
+
+    def render_messages(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        generation_prompt: bool,
+        tools: Sequence[Mapping[str, Any]] = (),
+    ) -> str:
+        """``messages`` rendered by the tokenizer's chat template, with ``tools=`` (their
+        OpenAI schemas) when there are any."""
+        extra = {"tools": list(tools)} if tools else {}
+        text = self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=generation_prompt, **extra
+        )
+        if not isinstance(text, str):
+            raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text)}")
+        return text
+
+    def encode(self, text: str) -> list[int]:
+        """``text`` as token ids, special-token markup recognised, nothing added."""
+        return list(self._encode(text))
+
+    def decode_for_parsing(self, response_ids: Sequence[int]) -> str:
+        """A response decoded with its special tokens kept (parsers need markers that are
+        special tokens), the end-of-turn token that closed it left out."""
+        ids = list(response_ids)
+        if ids and self._eot_id is not None and ids[-1] == self._eot_id:
+            ids.pop()
+        skip = not self.parses_responses
+        return str(self.tokenizer.decode(ids, skip_special_tokens=skip))
+
+    def response_parser(self, tools: Sequence[Mapping[str, Any]]) -> ResponseParser:
+        """The :class:`ResponseParser` of ``tool_parser`` / ``reasoning_parser`` for a
+        request with ``tools`` (kept per tool set: parsers are built once)."""
+        key = json.dumps(list(tools), sort_keys=True, default=str)
+        parser = self._parsers.get(key)
+        if parser is None:
+            parser = ResponseParser(
+                self.tokenizer, self.tool_parser, self.reasoning_parser, [dict(t) for t in tools]
+            )
+            self._parsers[key] = parser
+        return parser
 
 
 def _rebuild(settings: dict[str, Any]) -> ChatFormat:

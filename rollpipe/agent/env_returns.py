@@ -2,7 +2,9 @@
 
 ``reset(seed)`` returns ``(observation: str, info: dict)``; ``step(action_text)`` returns
 ``(observation: str, reward: real number, terminated: bool, truncated: bool, info:
-dict)``. A return of another shape, a non-finite reward (NaN, inf, or beyond float32,
+dict)``; a chat env's observation may be a list of chat messages instead of a string
+(:mod:`rollpipe.agent.messages`), returned as a tuple of checked message dicts. A return
+of another shape, a non-finite reward (NaN, inf, or beyond float32,
 where rows store it) or a reward that is not a number (``"1.5"``) fails the *episode*
 like an env that raised — its group is dropped and replaced, counted under
 ``dropped/errored`` — with a message naming the env class, the call, the field and the
@@ -21,6 +23,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
+from rollpipe.agent.messages import check_messages
 
 __all__ = ["EnvReturnError", "check_reset", "check_step", "clip_reward"]
 
@@ -89,21 +93,31 @@ def _check_tuple(env: Any, call: str, result: Any, n: int) -> None:
     )
 
 
-def check_reset(env: Any, result: Any) -> tuple[str, Mapping[str, Any]]:
+def _observation(env: Any, call: str, value: Any) -> Any:
+    """A str as it is, a list of chat messages checked, anything else refused."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)):
+        try:
+            return check_messages(f"{type(env).__name__}.{call}: observation", value)
+        except ValueError as exc:
+            raise EnvReturnError(str(exc)) from None
+    raise _wrong_type(env, call, "observation", "a str", value)
+
+
+def check_reset(env: Any, result: Any) -> tuple[Any, Mapping[str, Any]]:
     _check_tuple(env, "reset", result, 2)
     observation, info = result
-    if not isinstance(observation, str):
-        raise _wrong_type(env, "reset", "observation", "a str", observation)
+    observation = _observation(env, "reset", observation)
     if not isinstance(info, Mapping):
         raise _wrong_type(env, "reset", "info", "a dict", info)
     return observation, info
 
 
-def check_step(env: Any, result: Any) -> tuple[str, float, bool, bool, Mapping[str, Any]]:
+def check_step(env: Any, result: Any) -> tuple[Any, float, bool, bool, Mapping[str, Any]]:
     _check_tuple(env, "step", result, 5)
     observation, reward, terminated, truncated, info = result
-    if not isinstance(observation, str):
-        raise _wrong_type(env, "step", "observation", "a str", observation)
+    observation = _observation(env, "step", observation)
     if isinstance(reward, (bool, np.bool_)) or not isinstance(reward, numbers.Real):
         raise _wrong_type(env, "step", "reward", "a real number", reward)
     value = _as_float(reward)

@@ -31,6 +31,14 @@ Outcomes, each defined (never a hang):
 
 Each step's ``info["metrics"]`` is aggregated into ``Trajectory.env_metrics`` as ROLL's
 env managers do (see :mod:`rollpipe.envs.metrics`).
+
+Chat envs (``rollpipe.envs.base.ChatEnv``: the env declares ``tools``, answers with chat
+messages, or sets ``step_input = "action"``) run through a
+:class:`~rollpipe.agent.dialog.Dialog`: tools rendered by the chat template, the
+response split by the model's own parsers (``tool_parser`` / ``reasoning_parser``) into
+an ``AssistantAction`` (what ``step`` gets with ``step_input = "action"``; other envs
+get the text as always), prompts extended token-exactly, prefix breaks recorded on the
+turn. Text envs run exactly as before.
 """
 
 from __future__ import annotations
@@ -46,15 +54,19 @@ import attrs
 from rollpipe._utils.checks import float_in, instance_of, int_in, one_of, optional, seconds_or_none
 from rollpipe._utils.seeding import derive_seed
 from rollpipe.agent.chat import DEFAULT_SYSTEM_PROMPT, ChatFormat
+from rollpipe.agent.dialog import Dialog
 from rollpipe.agent.env_caller import Clock, EnvCaller
 from rollpipe.agent.env_errors import EnvFailed
 from rollpipe.agent.env_returns import check_reset, check_step, clip_reward
 from rollpipe.agent.env_threads import EnvLease, EnvThreads
 from rollpipe.agent.generation_timeout import GenerationTimeoutError, answer_within
+from rollpipe.agent.messages import messages_text
 from rollpipe.agent.records import EndReason, EpisodeSpec, Trajectory, Turn
+from rollpipe.agent.tools import tool_set
 from rollpipe.engines.protocol import Engine
 from rollpipe.engines.records import EngineError, Generation, SamplingParams
 from rollpipe.engines.routing import Session, in_session
+from rollpipe.envs.base import env_tools, takes_action
 from rollpipe.envs.metrics import aggregate_metrics, step_metrics
 
 OnLength = Literal["step", "skip", "end"]
@@ -107,7 +119,9 @@ class EpisodeSettings:
     episode). ``raise_env_errors``: re-raise env exceptions instead of recording errored
     trajectories. ``on_length`` / ``length_penalty``: what a response cut at
     ``max_tokens`` does (see the module doc). ``max_aborts``: times one request may be
-    aborted by pauses in a row before the episode gives up.
+    aborted by pauses in a row before the episode gives up. ``tool_parser`` /
+    ``reasoning_parser``: the model's vLLM parsers for chat envs (``"hermes"``,
+    ``"qwen3"``, ...; see :mod:`rollpipe.agent.parsers`).
     """
 
     max_turns: int = attrs.field(default=5, validator=int_in(1, MAX_TURNS))
@@ -132,6 +146,8 @@ class EpisodeSettings:
         default=None, validator=optional(float_in(-math.inf))
     )
     max_aborts: int = attrs.field(default=1000, validator=int_in(0, MAX_ABORTS))
+    tool_parser: str | None = attrs.field(default=None, validator=_STR_OR_NONE)
+    reasoning_parser: str | None = attrs.field(default=None, validator=_STR_OR_NONE)
 
     def __attrs_post_init__(self) -> None:
         if self.on_length == "step" and self.length_penalty is not None:
@@ -148,7 +164,11 @@ class EpisodeSettings:
     def chat_format(self, tokenizer: Any) -> ChatFormat:
         """The :class:`ChatFormat` these settings describe, for ``tokenizer``."""
         return ChatFormat(
-            tokenizer, system_prompt=self.system_prompt, history_window=self.history_window
+            tokenizer,
+            system_prompt=self.system_prompt,
+            history_window=self.history_window,
+            tool_parser=self.tool_parser,
+            reasoning_parser=self.reasoning_parser,
         )
 
 
@@ -184,6 +204,15 @@ async def _generate(
                 f"engine aborted the same request {aborts} times in a row; raise max_aborts "
                 "or check why the engine keeps aborting (paused with mode='abort'?)"
             )
+
+
+def _dialog(chat: ChatFormat, env: Any, observation: Any) -> Dialog | None:
+    """A Dialog for a chat env (tools, message observations or structured actions), else
+    None: text envs keep the text path exactly."""
+    tools = env_tools(env)
+    if not (tools or takes_action(env) or not isinstance(observation, str)):
+        return None
+    return Dialog(chat, tool_set(tools))
 
 
 def _turn(prompt_ids: list[int], gen: Generation, text: str, observation: str) -> dict[str, Any]:
@@ -280,7 +309,7 @@ async def run_episode(
             engine_time_s=clock.engine,
             aborted_tokens=clock.aborted_tokens,
             clipped_rewards=clock.clipped_rewards,
-            final_observation=observation,
+            final_observation=messages_text(observation),
             history_window=chat.history_window,
             env_metrics=aggregate_metrics(metrics, agg_modes),
             error_type=None if failure is None else type(failure.error).__name__,
@@ -291,8 +320,19 @@ async def run_episode(
         reset = functools.partial(check_reset, env)
         observation, info = await call_env("reset", 0, reset, spec.seed)
         success = bool(info.get("success", False))
+        try:
+            dialog = _dialog(chat, env, observation)
+        except ValueError as exc:  # tools without a schema, a window with a chat env
+            raise EnvFailed(exc, f"{type(env).__name__}.tools: {call_env.episode(0)}") from exc
+        structured = dialog is not None and takes_action(env)
         for t in range(s.max_turns):
-            added = chat.turn_prompt(observation, turns)
+            broke = False
+            if dialog is None:
+                added = chat.turn_prompt(observation, turns)
+            elif not turns:
+                added = dialog.first_prompt(observation)
+            else:
+                added, broke = dialog.continuation(observation, turns[-1].response_ids)
             prompt = added if windowed else [*context, *added]
             budget = s.max_length - len(prompt)
             if budget < 1:
@@ -311,7 +351,10 @@ async def run_episode(
             except GenerationTimeoutError as exc:
                 where = f"engine request: {call_env.episode(t)}"
                 raise EnvFailed(exc, f"{where}, generation_timeout_s={exc.limit}") from exc
-            fields = _turn(added, gen, chat.decode(gen.token_ids), observation)
+            action = None if dialog is None else dialog.act(gen.token_ids, t)
+            text = action.text if action is not None and structured else chat.decode(gen.token_ids)
+            fields = _turn(added, gen, text, messages_text(observation))
+            fields["prefix_break"] = broke
             if not windowed:
                 context = [*prompt, *gen.token_ids]
             if gen.finish_reason == "length" and on_length != "step":
@@ -321,7 +364,7 @@ async def run_episode(
                     break
                 continue
             try:
-                step = await call_env("step", t, checked_step, fields["action_text"])
+                step = await call_env("step", t, checked_step, action if structured else text)
             except EnvFailed:
                 turns.append(Turn(**fields, reward=0.0, action_valid=False, stepped=False))
                 raise

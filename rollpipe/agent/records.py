@@ -119,6 +119,10 @@ class Turn:
     when the env did not report it (unknown, not invalid: ``valid_action_rate`` leaves
     such turns out), and ``False`` for a turn that was not stepped (a cut response under
     ``on_length="skip"`` / ``"end"``, or a step that raised).
+
+    Chat envs: tool results are in ``prompt_ids`` (never in ``response_mask``);
+    ``prefix_break``: the template re-rendered earlier history at this turn, so the ids
+    (exactly what the engine saw) differ from a fresh render (``rollpipe.agent.dialog``).
     """
 
     prompt_ids: tuple[int, ...] = attrs.field(converter=_ints)
@@ -131,6 +135,7 @@ class Turn:
     action_text: str
     observation: str
     stepped: bool = attrs.field(default=True, converter=bool)
+    prefix_break: bool = attrs.field(default=False, converter=bool)
     # Packed copies for collation, made here, on the rollout loop while the engine
     # generates, so building a batch copies arrays instead of converting Python ints.
     token_array: np.ndarray = attrs.field(init=False, eq=False, repr=False)
@@ -174,6 +179,7 @@ class Turn:
             "action_text": self.action_text,
             "observation": self.observation,
             "stepped": self.stepped,
+            "prefix_break": self.prefix_break,
         }
 
     @classmethod
@@ -189,6 +195,7 @@ class Turn:
             action_text=state["action_text"],
             observation=state["observation"],
             stepped=state["stepped"],
+            prefix_break=state.get("prefix_break", False),  # absent in older checkpoints
         )
 
 

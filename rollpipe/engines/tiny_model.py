@@ -6,6 +6,14 @@ spot. ``build_tiny_model`` writes a HuggingFace-format directory (``config.json`
 ``generation_config.json``) that both transformers and vLLM load. Every file is
 written by hand with sorted keys and a seeded generator, so the same arguments give
 byte-identical files (for the same ``tokenizers``/``safetensors`` versions).
+
+``tools=True`` builds the tool-calling variant: the Hermes-style :data:`TOOLS_CHAT_TEMPLATE`
+(tools listed in the system turn, calls as ``<tool_call>{json}</tool_call>``, results in
+``<tool_response>`` blocks, reasoning as ``<think>...</think>``), with ``<tool_call>`` /
+``</tool_call>`` as special tokens (decoding with ``skip_special_tokens=True`` drops
+them, as it does for Llama 3.1 or Mistral markers) and ``<think>`` / ``</think>`` as
+added tokens, so vLLM's ``hermes`` tool parser and ``qwen3`` reasoning parser work on it.
+The default model's files stay as they were.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ __all__ = [
     "EOS_TOKEN",
     "PAD_TOKEN",
     "SPECIAL_TOKENS",
+    "TOOLS_CHAT_TEMPLATE",
+    "TOOL_TOKENS",
     "build_tiny_model",
     "default_model_path",
 ]
@@ -41,6 +51,45 @@ CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<think>", "</think>")  # ids 3-6 (tools=True)
+_SPECIAL_TOOL_TOKENS = frozenset(TOOL_TOKENS[:2])  # the call markers are special tokens
+
+# The tools variant's template: a Hermes / Qwen-2.5-style ChatML template. Without tools
+# and tool messages it renders exactly as CHAT_TEMPLATE. Calls follow the content with no
+# separator (the parser's content is then exactly the content rendered), one per block.
+TOOLS_CHAT_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\nYou may call functions. Their signatures:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    '{{- \'\\n</tools>\\nFor each call, write <tool_call>{"name": <name>, "arguments": '
+    "<json object>}</tool_call>.<|im_end|>\\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if message.get('reasoning_content') is string %}"
+    "{{- '<think>' + message['reasoning_content'] + '</think>' }}{%- endif %}"
+    "{{- message['content'] or '' }}"
+    "{%- for call in message.get('tool_calls') or [] %}"
+    "{%- set fn = call['function'] %}{%- if not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
+    "{%- if fn['arguments'] is string %}{{- fn['arguments'] }}"
+    "{%- else %}{{- fn['arguments'] | tojson }}{%- endif %}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
@@ -95,8 +144,27 @@ def _training_corpus() -> list[str]:
     return corpus
 
 
-def _train_tokenizer(vocab_size: int) -> str:
-    """Train a byte-level BPE tokenizer on the built-in corpus; returns tokenizer.json text."""
+def _tool_corpus() -> list[str]:
+    """Extra text for the tools variant: calls, results and the tools preamble."""
+    rng = random.Random(20251125)
+    corpus = []
+    for i in range(300):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        op = ("add", "subtract", "multiply")[i % 3]
+        corpus.append(
+            f'user\nWhat is {a} + {b}?\nassistant\n<tool_call>\n{{"name": "{op}", '
+            f'"arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>\nuser\n<tool_response>\n'
+            f"{a + b}\n</tool_response>\nassistant\nThe answer is {a + b}.\n"
+            f'# Tools {{"type": "function", "function": {{"name": "{op}", "description": '
+            '"Add two integers.", "parameters": {"type": "object", "properties": {"a": '
+            '{"type": "integer"}}, "required": ["a", "b"]}}}\n'
+        )
+    return corpus
+
+
+def _train_tokenizer(vocab_size: int, tools: bool = False) -> str:
+    """Train a byte-level BPE tokenizer on the built-in corpus; returns tokenizer.json text.
+    ``tools``: add :data:`TOOL_TOKENS` (ids 3-6) and the tool corpus."""
     from tokenizers import (
         Regex,
         Tokenizer,
@@ -111,6 +179,7 @@ def _train_tokenizer(vocab_size: int) -> str:
     # The same normalizer / pre-tokenizer as transformers' Qwen2Tokenizer, which
     # AutoTokenizer picks for model_type "qwen2": raw `tokenizers`, transformers and
     # vLLM then all tokenize identically.
+    special = SPECIAL_TOKENS + (TOOL_TOKENS if tools else ())
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -128,16 +197,21 @@ def _train_tokenizer(vocab_size: int) -> str:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=2,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_training_corpus(), trainer=trainer)
-    for i, t in enumerate(SPECIAL_TOKENS):
+    corpus = _training_corpus() + (_tool_corpus() if tools else [])
+    tok.train_from_iterator(corpus, trainer=trainer)
+    for i, t in enumerate(special):
         if tok.token_to_id(t) != i:
             raise RuntimeError(f"special token {t!r} got id {tok.token_to_id(t)}, expected {i}")
     # Round-trip through JSON with sorted keys so the file bytes are canonical.
     data = json.loads(tok.to_str())
+    for entry in data["added_tokens"]:  # <think> / </think> are plain added tokens
+        entry["special"] = entry["content"] in SPECIAL_TOKENS or entry["content"] in (
+            _SPECIAL_TOOL_TOKENS
+        )
     return json.dumps(data, ensure_ascii=False, indent=1, sort_keys=True) + "\n"
 
 
@@ -225,13 +299,15 @@ def build_tiny_model(
     intermediate_size: int = 256,
     max_position_embeddings: int = 4096,
     init_std: float = 0.1,
+    tools: bool = False,
 ) -> Path:
     """Write a tiny random Qwen2 model with a ChatML tokenizer to ``path``; returns it.
 
     ``hidden_size / num_heads`` must be 64 or more (vLLM's CPU attention rejects
     head_dim 16). ``init_std`` is larger than the usual 0.02 so the random model's
     next-token distribution has clear winners (greedy decoding is not a coin flip
-    between near-tied logits). The directory is created; existing files are replaced.
+    between near-tied logits). ``tools=True``: the tool-calling variant (module doc).
+    The directory is created; existing files are replaced.
     """
     _check_args(
         seed,
@@ -248,7 +324,7 @@ def build_tiny_model(
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tok_json = _train_tokenizer(vocab_size)
+    tok_json = _train_tokenizer(vocab_size, tools=tools)
     actual_vocab = len(json.loads(tok_json)["model"]["vocab"])
     cfg = _model_config(
         actual_vocab,
@@ -268,7 +344,7 @@ def build_tiny_model(
         {
             "add_prefix_space": False,
             "bos_token": None,
-            "chat_template": CHAT_TEMPLATE,
+            "chat_template": TOOLS_CHAT_TEMPLATE if tools else CHAT_TEMPLATE,
             "clean_up_tokenization_spaces": False,
             "eos_token": EOS_TOKEN,
             "extra_special_tokens": {},

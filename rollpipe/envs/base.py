@@ -6,6 +6,12 @@ holds ``action_valid``, ``action`` (canonical action or None) and ``success``; `
 adds ``format_penalty_applied``, and may add ROLL's ``metrics`` / ``metrics_agg_mode``
 (see :mod:`rollpipe.envs.metrics`). Blocking envs implement :class:`TextEnv`; envs that
 do I/O implement :class:`AsyncTextEnv` (same signatures, ``async``).
+
+A :class:`ChatEnv` talks in chat messages and tool calls: it may declare ``tools``
+(callables or OpenAI schemas, rendered by the model's chat template), answer with
+``user`` / ``tool`` messages instead of a string, and, when its class says
+``step_input = "action"``, receive an :class:`~rollpipe.agent.actions.AssistantAction`
+(content, parsed tool calls, reasoning) instead of the raw text.
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ import abc
 import inspect
 import math
 import operator
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import attrs
 
@@ -27,8 +34,14 @@ from rollpipe.envs.parsing import (
     parse_action,
 )
 
+if TYPE_CHECKING:
+    from rollpipe.agent.actions import AssistantAction
+
 Info = dict[str, Any]
 StepResult = tuple[str, float, bool, bool, Info]
+Messages = Sequence[Mapping[str, str]]
+"""Chat messages an env answers with: ``user`` or ``tool`` (see ``rollpipe.agent.messages``)."""
+ChatStepResult = tuple[str | Messages, float, bool, bool, Info]
 
 GRID_METRICS_AGG_MODE: dict[str, str] = {
     "action_is_effective": "mean",
@@ -61,6 +74,44 @@ class AsyncTextEnv(Protocol):
     async def step(self, action_text: str) -> StepResult: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class ChatEnv(Protocol):
+    """An env that answers in chat messages and receives structured actions.
+
+    ``tools`` (read after each ``reset``) are rendered into the prompt by the chat
+    template; ``step`` gets an ``AssistantAction`` because the class sets
+    ``step_input = "action"``. ``reset`` / ``step`` may be coroutines (as for
+    :class:`AsyncTextEnv`); blocking ones run on env threads like any ``TextEnv``.
+    """
+
+    step_input: ClassVar[Literal["action"]]
+    tools: Sequence[Any]
+
+    def reset(self, seed: int) -> tuple[str | Messages, Info]: ...
+
+    def step(self, action: AssistantAction) -> ChatStepResult: ...
+
+    def close(self) -> None: ...
+
+
+def takes_action(env: object) -> bool:
+    """Whether ``env.step`` takes an ``AssistantAction`` (``step_input = "action"``)
+    rather than the response text."""
+    mode = getattr(env, "step_input", "text")
+    if mode not in ("text", "action"):
+        raise ValueError(
+            f"{type(env).__name__}.step_input is {mode!r}; use 'text' (step gets the "
+            "response text) or 'action' (step gets an AssistantAction)"
+        )
+    return mode == "action"
+
+
+def env_tools(env: object) -> Sequence[Any]:
+    """The tools ``env`` declares (its ``tools`` attribute), ``()`` if none."""
+    tools = getattr(env, "tools", None)
+    return () if tools is None else tools
 
 
 def is_blocking(env: object) -> bool:

@@ -1,0 +1,109 @@
+"""AssistantAction: one assistant turn as a chat env receives it — text, content, tool
+calls and reasoning, split by the model's own parsers (:mod:`rollpipe.agent.parsers`).
+
+A text env gets the response as a string, as always; an env whose class says
+``step_input = "action"`` gets this record instead, so it never parses markup itself.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+
+from rollpipe._utils.freeze import freeze, thaw
+
+__all__ = ["AssistantAction", "ToolCall"]
+
+
+def _arguments(value: Any) -> Any:
+    return None if value is None else freeze(dict(value))
+
+
+@attrs.frozen
+class ToolCall:
+    """One call the model asked for.
+
+    ``id`` is deterministic (``call_{turn}_{index}``), so a re-run episode renders the
+    same ids. ``arguments`` holds the decoded JSON object (frozen: key-sorted pairs; use
+    :attr:`kwargs`) and ``arguments_json`` the JSON text the parser produced; ``error``
+    says why the arguments are unusable (not a JSON object), else ``None``.
+    """
+
+    id: str
+    name: str
+    arguments_json: str
+    arguments: Any = attrs.field(default=None, converter=_arguments)
+    error: str | None = None
+
+    @classmethod
+    def from_json(cls, call_id: str, name: str, arguments_json: str) -> ToolCall:
+        """A call with ``arguments_json`` decoded; a JSON value that is not an object (or
+        not JSON) gives a call with ``error`` set instead of ``arguments``."""
+        try:
+            value = json.loads(arguments_json)
+        except ValueError as exc:
+            return cls(call_id, name, arguments_json, None, f"arguments are not JSON: {exc}")
+        if not isinstance(value, dict):
+            problem = f"arguments must be a JSON object, got {type(value).__name__}"
+            return cls(call_id, name, arguments_json, None, f"{problem}: {arguments_json}")
+        return cls(call_id, name, arguments_json, value)
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """The arguments as a plain dict (empty when they were unusable)."""
+        return {} if self.arguments is None else dict(thaw(self.arguments, "ToolCall"))
+
+    def message(self) -> dict[str, Any]:
+        """The OpenAI ``tool_calls`` entry of this call (arguments as JSON text)."""
+        function = {"name": self.name, "arguments": self.arguments_json}
+        return {"id": self.id, "type": "function", "function": function}
+
+
+def _calls(value: Iterable[ToolCall]) -> tuple[ToolCall, ...]:
+    return tuple(value)
+
+
+@attrs.frozen
+class AssistantAction:
+    """One assistant turn, parsed.
+
+    ``text``: the response decoded with the special tokens the parsers need (the
+    end-of-turn token left out). ``content``: the text without reasoning and call
+    markup. ``tool_calls``: the calls parsed, in order. ``parse_error``: set when the
+    text holds call markup the tool parser could not read (bad JSON, no name); then
+    ``tool_calls`` is empty. ``reasoning``: the reasoning block, where the model has a
+    reasoning parser and wrote one.
+    """
+
+    text: str
+    content: str
+    tool_calls: tuple[ToolCall, ...] = attrs.field(default=(), converter=_calls)
+    parse_error: str | None = None
+    reasoning: str | None = None
+
+    @property
+    def malformed(self) -> bool:
+        """Whether a call was attempted but cannot run as written."""
+        return self.parse_error is not None or any(c.error for c in self.tool_calls)
+
+    def message(self) -> dict[str, Any]:
+        """The assistant message a chat template renders for this turn."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [c.message() for c in self.tool_calls]
+        if self.reasoning is not None:
+            message["reasoning_content"] = self.reasoning
+        return message
+
+    @classmethod
+    def plain(cls, text: str) -> AssistantAction:
+        """An action with no parser applied: all of ``text`` is content."""
+        return cls(text=text, content=text)
+
+
+def tool_message(call_id: str, name: str, content: str) -> Mapping[str, str]:
+    """A ``tool`` message answering call ``call_id`` of tool ``name``."""
+    return {"role": "tool", "tool_call_id": call_id, "name": name, "content": content}

@@ -1,0 +1,106 @@
+"""Tool declarations: OpenAI function schemas, or typed Python callables turned into them.
+
+An env declares its tools as a sequence of either. A callable's schema comes from
+transformers' ``get_json_schema`` (type hints plus a Google-style docstring with an
+``Args:`` section), the helper chat templates are written against; a dict is taken as an
+OpenAI function schema (``{"type": "function", "function": {"name", "description",
+"parameters"}}``; the bare ``function`` part is accepted too). The schemas reach the
+prompt through the tokenizer's own chat template (``tools=``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+__all__ = ["Tool", "ToolSet"]
+
+Tool = Callable[..., Any] | Mapping[str, Any]
+"""A typed callable with a docstring, or an OpenAI function schema."""
+
+
+def _schema_of_callable(fn: Callable[..., Any]) -> dict[str, Any]:
+    from transformers.utils import get_json_schema
+
+    try:
+        return dict(get_json_schema(fn))
+    except Exception as exc:  # transformers' DocstringParsingException / TypeHintParsingException
+        name = getattr(fn, "__name__", repr(fn))
+        raise ValueError(
+            f"tool {name!r}: no schema could be made from it ({exc}); give every argument a "
+            "type hint and the function a docstring with an Args: section describing each, "
+            "or pass an OpenAI function schema dict instead"
+        ) from exc
+
+
+def _schema_of_dict(schema: Mapping[str, Any]) -> dict[str, Any]:
+    function = (
+        schema.get("function", schema) if schema.get("type", "function") == "function" else None
+    )
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        raise ValueError(
+            f"tool schema {schema!r} is not an OpenAI function schema; write "
+            '{"type": "function", "function": {"name": ..., "description": ..., '
+            '"parameters": {"type": "object", "properties": {...}}}}'
+        )
+    parameters = function.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(parameters, Mapping):
+        raise ValueError(
+            f"tool {function['name']!r}: parameters must be a dict, got {parameters!r}"
+        )
+    return {"type": "function", "function": {**function, "parameters": dict(parameters)}}
+
+
+class ToolSet:
+    """An env's tools: their schemas (for the template) and callables (to run them).
+
+    ``ToolSet([add, {"type": "function", "function": {...}}])``: a dict-declared tool has
+    a schema but nothing to run unless ``functions`` maps its name to a callable.
+    """
+
+    def __init__(
+        self, tools: Sequence[Tool] = (), functions: Mapping[str, Callable[..., Any]] | None = None
+    ) -> None:
+        if isinstance(tools, (str, Mapping)) or not isinstance(tools, Sequence):
+            raise ValueError(f"tools must be a list of callables or schema dicts, got {tools!r}")
+        self.schemas: tuple[dict[str, Any], ...] = ()
+        self.functions: dict[str, Callable[..., Any]] = dict(functions or {})
+        schemas = []
+        for tool in tools:
+            if isinstance(tool, Mapping):
+                schemas.append(_schema_of_dict(tool))
+            elif callable(tool):
+                schema = _schema_of_callable(tool)
+                schemas.append(schema)
+                self.functions.setdefault(schema["function"]["name"], tool)
+            else:
+                raise ValueError(f"tool {tool!r} is neither a callable nor a schema dict")
+        names = [s["function"]["name"] for s in schemas]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"tools: names {repeated} are declared more than once")
+        self.schemas = tuple(schemas)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(s["function"]["name"] for s in self.schemas)
+
+    def parameters(self, name: str) -> Mapping[str, Any]:
+        """The JSON schema of tool ``name``'s arguments."""
+        for schema in self.schemas:
+            if schema["function"]["name"] == name:
+                return schema["function"]["parameters"]  # type: ignore[no-any-return]
+        raise KeyError(name)
+
+    def __len__(self) -> int:
+        return len(self.schemas)
+
+    def __bool__(self) -> bool:
+        return bool(self.schemas)
+
+
+def tool_set(value: ToolSet | Sequence[Tool] | None) -> ToolSet:
+    """``value`` as a :class:`ToolSet` (``None``: no tools)."""
+    if isinstance(value, ToolSet):
+        return value
+    return ToolSet(() if value is None else value)

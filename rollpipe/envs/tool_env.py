@@ -1,0 +1,116 @@
+"""ToolEnv: a ready tool-calling env from a task, a set of tools and a verifier.
+
+Each turn the model either calls tools — the env runs them
+(:class:`~rollpipe.agent.tool_runner.ToolRunner`: off the event loop, each with a time
+limit, bad calls answered with what was wrong) and answers with one ``tool`` message per
+call — or answers in plain content, which ends the episode with the verifier's reward.
+Only the given callables ever run: nothing the model writes is executed as code.
+
+Example (a custom tool env)::
+
+    def multiply(a: int, b: int) -> int:
+        \"\"\"Multiply two integers.
+
+        Args:
+            a: the first factor
+            b: the second factor
+        \"\"\"
+        return a * b
+
+    def task(seed: int) -> tuple[str, int]:
+        rng = random.Random(seed)
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        return f"What is {a} * {b}? Use the tool, then answer with the number.", a * b
+
+    env = ToolEnv(task, [multiply], verifier=lambda answer, truth: float(str(truth) in answer))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Literal
+
+from rollpipe.agent.actions import AssistantAction
+from rollpipe.agent.tool_runner import ToolRunner
+from rollpipe.agent.tools import Tool, ToolSet
+from rollpipe.envs.base import EnvStateError, Info, check_seed
+
+__all__ = ["ToolEnv"]
+
+Task = Callable[[int], tuple[str, Any]]
+Verifier = Callable[[str, Any], float]
+
+
+class ToolEnv:
+    """A task answered with tools (see the module doc).
+
+    Args:
+        task: ``task(seed) -> (prompt, truth)``: the first user message and what the
+            verifier compares the answer with; the same seed gives the same task.
+        tools: typed callables with docstrings, or OpenAI schemas (``rollpipe.agent.tools``).
+        verifier: ``verifier(answer_content, truth) -> reward``; a reward > 0 is success.
+        max_tool_turns: turns of tool calls before the episode is truncated (reward 0).
+        tool_timeout_s: limit of one tool call (None: none).
+        max_threads: worker threads for blocking tools.
+    """
+
+    step_input: ClassVar[Literal["action"]] = "action"
+
+    def __init__(
+        self,
+        task: Task,
+        tools: Sequence[Tool],
+        verifier: Verifier,
+        *,
+        max_tool_turns: int = 4,
+        tool_timeout_s: float | None = 10.0,
+        max_threads: int = 2,
+    ) -> None:
+        if not callable(task) or not callable(verifier):
+            raise ValueError(
+                f"ToolEnv: task and verifier must be callables, got task={task!r}, "
+                f"verifier={verifier!r}"
+            )
+        if not isinstance(max_tool_turns, int) or max_tool_turns < 1:
+            raise ValueError(f"ToolEnv.max_tool_turns must be an int >= 1, got {max_tool_turns!r}")
+        self.tools = ToolSet(tools)
+        self.task, self.verifier, self.max_tool_turns = task, verifier, max_tool_turns
+        self.runner = ToolRunner(self.tools, timeout_s=tool_timeout_s, max_threads=max_threads)
+        self._truth: Any = None
+        self._tool_turns = -1  # -1: not reset, or the episode ended
+
+    def reset(self, seed: int) -> tuple[str, Info]:
+        """A new task for ``seed``."""
+        prompt, self._truth = self.task(check_seed(seed))
+        if not isinstance(prompt, str):
+            raise ValueError(f"ToolEnv.task must return (prompt: str, truth), got {prompt!r}")
+        self._tool_turns = 0
+        return prompt, {"success": False}
+
+    async def step(self, action: AssistantAction) -> tuple[Any, float, bool, bool, Info]:
+        """Run the turn's tool calls, or verify its answer (see the module doc)."""
+        if self._tool_turns < 0:
+            raise EnvStateError("ToolEnv.step() called before reset(seed) or after the end")
+        if action.tool_calls or action.parse_error is not None:
+            messages, counts = await self.runner.run(action)
+            self._tool_turns += 1
+            truncated = self._tool_turns >= self.max_tool_turns
+            if truncated:
+                self._tool_turns = -1
+            info: Info = {
+                "success": False,
+                "action_valid": counts["tool/malformed"] == 0,
+                "metrics": counts,
+                "metrics_agg_mode": dict.fromkeys(counts, "sum"),
+            }
+            return messages, 0.0, False, truncated, info
+        truth, self._tool_turns = self._truth, -1
+        verify = self.runner.threads.call
+        reward = float(
+            await verify(self.verifier, action.content, truth, timeout=self.runner.timeout_s)
+        )
+        info = {"success": reward > 0, "action_valid": True, "answer": action.content}
+        return "", reward, True, False, info
+
+    def close(self) -> None:
+        self.runner.close()
