@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
-__all__ = ["freeze", "thaw"]
+__all__ = ["freeze", "plain", "thaw"]
 
 
 def freeze(value: Any, *, mappings: bool = True) -> Any:
@@ -46,3 +46,23 @@ def thaw(value: Any, where: str) -> Any:
         f"{where} holds a {type(value).__name__} ({value!r}); checkpoint state keeps only "
         "None, bool, int, float, str and lists of them"
     )
+
+
+def plain(value: Any, where: str) -> Any:
+    """``value`` as plain data that JSON and ``torch.load(weights_only=True)`` read back
+    equal: dicts (string keys) and lists of None, bool, int, float and str. Tuples become
+    lists and numpy scalars Python ones; anything else raises a ValueError naming ``where``."""
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ValueError(f"{where} has a key {k!r} that is not a str")
+            out[k] = plain(v, f"{where}[{k!r}]")
+        return out
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, (Tensor, np.ndarray)):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [plain(v, where) for v in value]
+    return thaw(value, where)

@@ -5,6 +5,7 @@ call limited in time and its return checked; a failure of any kind becomes ``Env
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import time
@@ -64,8 +65,12 @@ class EnvCaller:
         limit = f", env_timeout_s={self.timeout}" if self.timeout is not None else ""
         return f"{type(self.env).__name__}.{name}: {self.episode(turn)}{limit}"
 
-    async def __call__(self, name: str, turn: int, check: Callable[[Any], T], arg: Any) -> T:
+    async def __call__(
+        self, name: str, turn: int, check: Callable[[Any], T], arg: Any, **kwargs: Any
+    ) -> T:
         fn = getattr(self.env, name)
+        if kwargs:  # reset(seed, row=...) of a dataset's group
+            fn = functools.partial(fn, **kwargs)
         start = time.perf_counter()
         try:
             if inspect.iscoroutinefunction(fn):

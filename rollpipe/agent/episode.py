@@ -318,7 +318,8 @@ async def run_episode(
 
     try:
         reset = functools.partial(check_reset, env)
-        observation, info = await call_env("reset", 0, reset, spec.seed)
+        row = {} if spec.row_index is None else {"row": spec.row}  # a dataset's group
+        observation, info = await call_env("reset", 0, reset, spec.seed, **row)
         success = bool(info.get("success", False))
         try:
             dialog = _dialog(chat, env, observation)

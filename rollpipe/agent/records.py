@@ -19,8 +19,8 @@ import attrs
 import numpy as np
 import torch
 
-from rollpipe._utils.checks import int_at_least
-from rollpipe._utils.freeze import freeze, thaw
+from rollpipe._utils.checks import int_at_least, optional
+from rollpipe._utils.freeze import freeze, plain, thaw
 
 EndReason = Literal["terminated", "truncated", "max_turns", "max_length", "error"]
 END_REASONS: tuple[str, ...] = ("terminated", "truncated", "max_turns", "max_length", "error")
@@ -63,7 +63,9 @@ class EpisodeSpec:
     """What to run: the group, the episode's unique id, the env seed and which env.
 
     All members of a group share ``seed`` (same initial state); ``episode_id`` is
-    unique per trajectory and, with ``seed``, determines every sampling seed.
+    unique per trajectory and, with ``seed``, determines every sampling seed. A group
+    drawn from a dataset also shares its ``row`` (plain data, handed to the env's
+    ``reset(seed, row=...)``) and ``row_index`` (the row's position in the dataset).
     """
 
     group_id: int = attrs.field(validator=int_at_least(0))
@@ -72,6 +74,10 @@ class EpisodeSpec:
     env_name: str = "frozenlake"
     env_config: tuple[tuple[str, Any], ...] = attrs.field(default=(), converter=_env_config)
     tag: str = ""
+    row: Any = attrs.field(
+        default=None, converter=lambda r: plain(r, "EpisodeSpec.row"), hash=False
+    )
+    row_index: int | None = attrs.field(default=None, validator=optional(int_at_least(0)))
 
     @property
     def env_kwargs(self) -> dict[str, Any]:
@@ -88,6 +94,8 @@ class EpisodeSpec:
             "env_name": self.env_name,
             "env_config": config,
             "tag": self.tag,
+            "row": self.row,
+            "row_index": self.row_index,
         }
 
     @classmethod

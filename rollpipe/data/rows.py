@@ -208,13 +208,17 @@ def _label_columns(
     def col(values: list[Any]) -> np.ndarray:
         return object_array(_repeat(values, repeats))
 
-    return {
+    columns = {
         "step_scores": object_array(step_scores),
         "tags": col([t.tag for t in trajectories]),
         "end_reasons": col([t.end_reason for t in trajectories]),
         "uid": col([t.group_uid for t in trajectories]),
         "traj_uid": col([t.traj_id for t in trajectories]),
     }
+    row_index = [t.spec.row_index for t in trajectories]
+    if row_index and all(i is not None for i in row_index):  # drawn from a dataset
+        columns["row_index"] = col(row_index)
+    return columns
 
 
 def trajectory_rows(

@@ -82,10 +82,10 @@ class EnvHost:
         """This process's id (the actor is up once it answers)."""
         return os.getpid()
 
-    async def reset(self, seed: int) -> tuple[str, Info]:
+    async def reset(self, seed: int, **row: Any) -> tuple[str, Info]:
         if self.env is None:
             self.env = self.build()
-        result: tuple[str, Info] = await _result(self.env.reset(seed))
+        result: tuple[str, Info] = await _result(self.env.reset(seed, **row))
         return result
 
     async def step(self, action_text: str) -> StepResult:
@@ -212,8 +212,9 @@ class RayEnv:
         return self._actor
 
     # -- AsyncTextEnv ---------------------------------------------------------------------
-    async def reset(self, seed: int) -> tuple[str, Info]:
-        """Start an episode; an actor that died or hung is replaced by a fresh one first."""
+    async def reset(self, seed: int, **row: Any) -> tuple[str, Info]:
+        """Start an episode (``row=``: a dataset's row, passed on); an actor that died or
+        hung is replaced by a fresh one first."""
         self._check_open()
         if self._unhostable is not None:
             raise RayEnvError(self._unhostable)
@@ -222,7 +223,9 @@ class RayEnv:
         if self._pid is None:  # a new actor: wait until it is up
             self._pid = await self._call("pid", timeout=self.start_timeout_s)
             self.pids.append(self._pid)
-        result: tuple[str, Info] = await self._call("reset", seed, timeout=self.call_timeout_s)
+        result: tuple[str, Info] = await self._call(
+            "reset", seed, **row, timeout=self.call_timeout_s
+        )
         return result
 
     async def step(self, action_text: str) -> StepResult:
@@ -267,11 +270,12 @@ class RayEnv:
         actor_id = getattr(getattr(self._actor, "_actor_id", None), "hex", lambda: "?")()
         return f"Ray actor {actor_id} (pid {self._pid or 'not started'})"
 
-    async def _call(self, method: str, *args: Any, timeout: float | None) -> Any:
-        """``actor.method(*args)``, awaited on the running loop (an ObjectRef is awaitable)."""
+    async def _call(self, method: str, *args: Any, timeout: float | None, **kwargs: Any) -> Any:
+        """``actor.method(*args, **kwargs)``, awaited on the running loop (an ObjectRef is
+        awaitable)."""
         from ray.exceptions import RayActorError, RayTaskError
 
-        ref = getattr(self._actor, method).remote(*args)
+        ref = getattr(self._actor, method).remote(*args, **kwargs)
         try:
             if timeout is None:
                 return await ref

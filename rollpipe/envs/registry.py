@@ -107,10 +107,11 @@ def make(name: str, **config: Any) -> TextEnv | AsyncTextEnv:
     return factory_of(name)(**config)
 
 
-def check_env(name: str, config: dict[str, Any]) -> None:
+def check_env(name: str, config: dict[str, Any], *, row: bool = False) -> None:
     """Raise EnvRegistryError unless env ``name`` can be built with ``config``: the name
     resolves, every key is one it takes, and one env built with it (then closed) accepts
-    its values (``size=-3`` fails here, naming the env, not at the first episode)."""
+    its values (``size=-3`` fails here, naming the env, not at the first episode). With
+    ``row``, its ``reset`` must also take ``row=`` (a dataset's rows go there)."""
     check_config(name, config)
     try:
         env = factory_of(name)(**config)
@@ -118,17 +119,40 @@ def check_env(name: str, config: dict[str, Any]) -> None:
         raise EnvRegistryError(
             f"env {name!r} rejects its config {config}: {type(exc).__name__}: {exc}"
         ) from exc
-    close = getattr(env, "close", None)  # TextEnv.close is optional for user envs
-    if callable(close):
-        close()
+    try:
+        if row and not takes_row(env):
+            raise EnvRegistryError(
+                f"env {name!r}: a dataset's rows reach the env as reset(seed, row=...), but "
+                f"{type(env).__name__}.reset takes no 'row'; add the parameter, or use an env "
+                "made for rows (rollpipe.envs.task.PromptTask)"
+            )
+    finally:
+        close = getattr(env, "close", None)  # TextEnv.close is optional for user envs
+        if callable(close):
+            close()
+
+
+def takes_row(env: Any) -> bool:
+    """Whether ``env.reset`` accepts a ``row`` keyword (or any keyword)."""
+    try:
+        params = inspect.signature(env.reset).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: let the first reset tell
+        return True
+    return any(
+        p.kind is inspect.Parameter.VAR_KEYWORD
+        or (p.name == "row" and p.kind is not inspect.Parameter.POSITIONAL_ONLY)
+        for p in params
+    )
 
 
 def _register_builtins() -> None:
     from rollpipe.envs.frozenlake import FrozenLake
     from rollpipe.envs.sokoban import Sokoban
+    from rollpipe.envs.task import PromptTask
 
     register("frozenlake", FrozenLake)
     register("sokoban", Sokoban)
+    register("task", PromptTask)
 
 
 _register_builtins()

@@ -3,7 +3,9 @@
 All members of a group share one seed (so they start from the same state, as GRPO
 needs) and every seed derives from the one user seed, so the same config yields the
 same episodes in every run. Its state is a counter (group, member) plus the metered
-budget (``budget``, ``grants``, ``step``, ``expired_groups``).
+budget (``budget``, ``grants``, ``step``, ``expired_groups``). With a dataset
+(``rollpipe.nodes.dataset``) each group is one row, in an order the seed fixes, so the
+same counter is also the position in the pass.
 
 :class:`SourceSettings` holds its settings (``PipelineConfig.source``), checked once.
 """
@@ -21,6 +23,7 @@ from rollpipe._utils.checks import check_int, float_in, int_at_least, int_in, op
 from rollpipe._utils.seeding import derive_seed
 from rollpipe.agent.records import EpisodeSpec
 from rollpipe.envs.registry import check_env
+from rollpipe.nodes.dataset import DatasetSettings, RowOrder
 from rollpipe.nodes.signals import UpstreamSignals
 
 MAX_GROUP_SIZE = 65536
@@ -82,13 +85,18 @@ def _envs(value: Any) -> tuple[EnvChoice, ...]:
         raise ValueError(f"SourceSettings.envs: {exc}; {_ENVS_HINT}") from exc
 
 
-def _buildable(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
-    """Each env resolves here and accepts its config: one is built (and closed) now."""
-    for choice in value:
-        try:
-            check_env(choice.name, dict(choice.config))
-        except ValueError as exc:
-            raise ValueError(f"SourceSettings.envs: {exc}") from exc
+def _dataset(value: Any) -> DatasetSettings | None:
+    if value is None or isinstance(value, DatasetSettings):
+        return value
+    try:
+        if isinstance(value, Mapping):
+            return DatasetSettings(**value)
+        return DatasetSettings(rows=value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"SourceSettings.dataset: {exc} (a DatasetSettings, its rows, or a dict "
+            "{rows: ..., shuffle: true, epochs: 1})"
+        ) from exc
 
 
 @attrs.frozen(kw_only=True)
@@ -103,16 +111,26 @@ class SourceSettings:
     ``group_size``: trajectories per group (GRPO's ``n``, at most ``MAX_GROUP_SIZE``).
     ``num_groups``: groups to run (None: endless). ``redundancy``: extra members started
     per group (at most ``MAX_REDUNDANCY``); the first ``group_size`` to finish win.
-    ``seed``: the one seed every episode derives from.
+    ``seed``: the one seed every episode derives from. ``dataset``: draw each group's
+    row from a :class:`~rollpipe.nodes.dataset.DatasetSettings` (or its rows, or a dict
+    of its fields); the env's ``reset(seed, row=...)`` receives the row.
     """
 
-    envs: tuple[EnvChoice, ...] = attrs.field(
-        default=("frozenlake",), converter=_envs, validator=_buildable
-    )
+    envs: tuple[EnvChoice, ...] = attrs.field(default=("frozenlake",), converter=_envs)
     group_size: int = attrs.field(default=4, validator=int_in(1, MAX_GROUP_SIZE))
     num_groups: int | None = attrs.field(default=None, validator=optional(int_at_least(1)))
     redundancy: int = attrs.field(default=0, validator=int_in(0, MAX_REDUNDANCY))
     seed: int = attrs.field(default=0, validator=int_in(0, MAX_SEED))
+    dataset: DatasetSettings | None = attrs.field(default=None, converter=_dataset)
+
+    def __attrs_post_init__(self) -> None:
+        """Each env resolves and accepts its config (one is built and closed now), and
+        takes rows when there is a dataset."""
+        for choice in self.envs:
+            try:
+                check_env(choice.name, dict(choice.config), row=self.dataset is not None)
+            except ValueError as exc:
+                raise ValueError(f"SourceSettings.envs: {exc}") from exc
 
 
 class EpisodeSource(BaseNode[EpisodeSpec]):
@@ -134,6 +152,8 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
         expire_after: metered only: a granted group not yet started when a grant of a
             step more than this many steps newer arrives is never started (counted in
             ``expired_groups``), as ROLL's GroupQueue expires groups at ``advance_step``.
+        dataset: draw group ``g``'s row from it (see ``rollpipe.nodes.dataset``); the
+            source ends after its epochs, or after ``num_groups`` if that comes first.
     """
 
     def __init__(
@@ -147,6 +167,7 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
         signals: UpstreamSignals | None = None,
         metered: bool = False,
         expire_after: int | None = None,
+        dataset: DatasetSettings | None = None,
     ) -> None:
         super().__init__()
         if num_groups is not None:
@@ -166,6 +187,9 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
         if expire_after is not None:
             check_int("EpisodeSource.expire_after (or None)", expire_after, 0)
         self.expire_after = expire_after
+        self.dataset = dataset
+        self._rows = None if dataset is None else RowOrder(dataset, seed)
+        self._row: tuple[int, tuple[int, Any] | None] | None = None  # (group, its row)
         weights = np.array([c.weight for c in self.envs], dtype=np.float64)
         self._cum_weights = np.cumsum(weights / weights.sum())
         self._group = 0
@@ -195,6 +219,7 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
             signals=signals,
             metered=metered,
             expire_after=expire_after,
+            dataset=s.dataset,
         )
 
     @property
@@ -236,9 +261,18 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
         u = np.random.default_rng(derive_seed(self.seed, group_id, 1)).random()
         return self.envs[int(np.searchsorted(self._cum_weights, u, side="right"))]
 
+    def row_of(self, group_id: int) -> tuple[int, Any] | None:
+        """``(row index, row)`` of ``group_id`` (None: no dataset, or its epochs are done)."""
+        if self._rows is None:
+            return None
+        if self._row is None or self._row[0] != group_id:
+            self._row = (group_id, self._rows.row(group_id))
+        return self._row[1]
+
     def spec(self, group_id: int, member: int) -> EpisodeSpec:
         """The spec of member ``member`` of group ``group_id`` (pure function of the config)."""
         env = self.choice_for(group_id)
+        index, row = self.row_of(group_id) or (None, None)
         return EpisodeSpec(
             group_id=group_id,
             episode_id=group_id * self.members_per_group + member,
@@ -246,6 +280,8 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
             env_name=env.name,
             env_config=env.config,  # frozen (hashable, sorted) by EpisodeSpec
             tag=env.label,
+            row=row,
+            row_index=index,
         )
 
     def _take_requests(self, signals: UpstreamSignals) -> None:
@@ -270,6 +306,8 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
         """Whether a new group may start now; a metered source uses up one granted group."""
         if self._budget is not None and self._group >= self._budget:
             return False
+        if self._rows is not None and self.row_of(self._group) is None:
+            return False  # the dataset's epochs are done
         if not self.metered:
             return True
         while self._grants and self._grants[0][0] == 0:
