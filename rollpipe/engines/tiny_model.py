@@ -7,13 +7,8 @@ spot. ``build_tiny_model`` writes a HuggingFace-format directory (``config.json`
 written by hand with sorted keys and a seeded generator, so the same arguments give
 byte-identical files (for the same ``tokenizers``/``safetensors`` versions).
 
-``tools=True`` builds the tool-calling variant: the Hermes-style :data:`TOOLS_CHAT_TEMPLATE`
-(tools listed in the system turn, calls as ``<tool_call>{json}</tool_call>``, results in
-``<tool_response>`` blocks, reasoning as ``<think>...</think>``), with ``<tool_call>`` /
-``</tool_call>`` as special tokens (decoding with ``skip_special_tokens=True`` drops
-them, as it does for Llama 3.1 or Mistral markers) and ``<think>`` / ``</think>`` as
-added tokens, so vLLM's ``hermes`` tool parser and ``qwen3`` reasoning parser work on it.
-The default model's files stay as they were.
+``tools=True`` builds the tool-calling variant (``rollpipe.engines.tiny_tools``): a
+Hermes-style template, ``<tool_call>`` markers as special tokens, ``<think>`` tokens.
 """
 
 from __future__ import annotations
@@ -28,6 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from rollpipe.engines.tiny_tools import (
+    SPECIAL_TOOL_TOKENS,
+    TOOL_TOKENS,
+    TOOLS_CHAT_TEMPLATE,
+    tool_corpus,
+)
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -51,45 +53,6 @@ CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<think>", "</think>")  # ids 3-6 (tools=True)
-_SPECIAL_TOOL_TOKENS = frozenset(TOOL_TOKENS[:2])  # the call markers are special tokens
-
-# The tools variant's template: a Hermes / Qwen-2.5-style ChatML template. Without tools
-# and tool messages it renders exactly as CHAT_TEMPLATE. Calls follow the content with no
-# separator (the parser's content is then exactly the content rendered), one per block.
-TOOLS_CHAT_TEMPLATE = (
-    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
-    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
-    "{{- '# Tools\\nYou may call functions. Their signatures:\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    '{{- \'\\n</tools>\\nFor each call, write <tool_call>{"name": <name>, "arguments": '
-    "<json object>}</tool_call>.<|im_end|>\\n' }}"
-    "{%- elif messages[0]['role'] == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message['role'] == 'system' and loop.first %}"
-    "{%- elif message['role'] == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
-    "{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
-    "{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- elif message['role'] == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if message.get('reasoning_content') is string %}"
-    "{{- '<think>' + message['reasoning_content'] + '</think>' }}{%- endif %}"
-    "{{- message['content'] or '' }}"
-    "{%- for call in message.get('tool_calls') or [] %}"
-    "{%- set fn = call['function'] %}{%- if not loop.first %}{{- '\\n' }}{%- endif %}"
-    "{{- '<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
-    "{%- if fn['arguments'] is string %}{{- fn['arguments'] }}"
-    "{%- else %}{{- fn['arguments'] | tojson }}{%- endif %}{{- '}\\n</tool_call>' }}"
-    "{%- endfor %}{{- '<|im_end|>\\n' }}"
-    "{%- else %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
@@ -144,24 +107,6 @@ def _training_corpus() -> list[str]:
     return corpus
 
 
-def _tool_corpus() -> list[str]:
-    """Extra text for the tools variant: calls, results and the tools preamble."""
-    rng = random.Random(20251125)
-    corpus = []
-    for i in range(300):
-        a, b = rng.randint(0, 999), rng.randint(0, 999)
-        op = ("add", "subtract", "multiply")[i % 3]
-        corpus.append(
-            f'user\nWhat is {a} + {b}?\nassistant\n<tool_call>\n{{"name": "{op}", '
-            f'"arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>\nuser\n<tool_response>\n'
-            f"{a + b}\n</tool_response>\nassistant\nThe answer is {a + b}.\n"
-            f'# Tools {{"type": "function", "function": {{"name": "{op}", "description": '
-            '"Add two integers.", "parameters": {"type": "object", "properties": {"a": '
-            '{"type": "integer"}}, "required": ["a", "b"]}}}\n'
-        )
-    return corpus
-
-
 def _train_tokenizer(vocab_size: int, tools: bool = False) -> str:
     """Train a byte-level BPE tokenizer on the built-in corpus; returns tokenizer.json text.
     ``tools``: add :data:`TOOL_TOKENS` (ids 3-6) and the tool corpus."""
@@ -201,7 +146,7 @@ def _train_tokenizer(vocab_size: int, tools: bool = False) -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    corpus = _training_corpus() + (_tool_corpus() if tools else [])
+    corpus = _training_corpus() + (tool_corpus() if tools else [])
     tok.train_from_iterator(corpus, trainer=trainer)
     for i, t in enumerate(special):
         if tok.token_to_id(t) != i:
@@ -210,7 +155,7 @@ def _train_tokenizer(vocab_size: int, tools: bool = False) -> str:
     data = json.loads(tok.to_str())
     for entry in data["added_tokens"]:  # <think> / </think> are plain added tokens
         entry["special"] = entry["content"] in SPECIAL_TOKENS or entry["content"] in (
-            _SPECIAL_TOOL_TOKENS
+            SPECIAL_TOOL_TOKENS
         )
     return json.dumps(data, ensure_ascii=False, indent=1, sort_keys=True) + "\n"
 
