@@ -81,3 +81,17 @@ def test_sectioned_and_flat_yaml_give_the_same_first_batch(
     flat = _first_batch_ids(_config(FLAT), vllm_engine, tokenizer)
     assert len(sectioned) == 4 and all(sectioned)
     assert sectioned == flat
+
+
+def test_a_dataset_section_and_the_flat_name_give_equal_configs(tmp_path: Any) -> None:
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?", "answer": "4"}\n')
+    envs = "[{name: task, config: {prompt_key: question}}]"
+    sectioned = _config(
+        f"source:\n  envs: {envs}\n  dataset: {{rows: {rows}, shuffle: false, epochs: 2}}\n"
+    )
+    flat = _config(f"envs: {envs}\ndataset: {{rows: {rows}, shuffle: false, epochs: 2}}\n")
+    assert sectioned == flat
+    assert flat.source.dataset is not None and flat.source.dataset.num_groups == 4
+    other = _config(f"envs: {envs}\ndataset: {{rows: {rows}, epochs: 2}}\n")
+    assert other != flat  # shuffled

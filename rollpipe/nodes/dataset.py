@@ -97,7 +97,7 @@ class DatasetSettings:
     after them unless ``num_groups`` stops it first.
     """
 
-    rows: Any = attrs.field(converter=_rows, eq=False)
+    rows: Any = attrs.field(converter=_rows, hash=False)
     shuffle: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     epochs: int | None = attrs.field(
         default=1,
