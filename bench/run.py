@@ -45,6 +45,7 @@ BENCHMARKS = (
     "pool",
     "remote",
     "learning",
+    "turn_cost",
 )
 NEEDS_ENGINE = {"efficiency", "long_tail", "concurrency", "pause", "overhead", "on_policy"}
 LEVELS = (1, 8, 64, 256)
@@ -122,6 +123,9 @@ SUMMARY = (
     ("10", "|infer − trainer| log-prob, bf16 mean", "logprob_gap_bf16_mean", "—", "{:.2e}"),
     ("10", "|infer − trainer| log-prob, bf16 max", "logprob_gap_bf16_max", "—", "{:.2e}"),
     ("10", "Trainer pass: plain ÷ shared prefix", "trainer_shared_prefix_speedup", "—", "{:.2f}×"),
+    ("11", "CPU per turn, 8 turns/episode", "turn_cpu_us_8turns", "—", "{:.0f} µs"),
+    ("11", "CPU per turn, 128 turns/episode", "turn_cpu_us_128turns", "—", "{:.0f} µs"),
+    ("11", "CPU per turn, 1024 episodes in flight", "turn_cpu_us_1024inflight", "—", "{:.0f} µs"),
 )
 
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from rollpipe.engines import (
     BaseEngine,
+    CheckedIds,
     Engine,
     EngineClosedError,
     EngineError,
@@ -118,6 +119,43 @@ def test_check_prompt() -> None:
     for bad in ([1.5, 2], ["a"], [[1, 2]], [[1], [2, 3]], torch.ones(2)):
         with pytest.raises(ValueError, match="prompt_ids must be a 1-D sequence of ints"):
             check_prompt(bad, 10)  # type: ignore[arg-type]
+
+
+@given(
+    parts=st.lists(st.lists(st.integers(0, 40), max_size=6), max_size=6),
+    vocab=st.integers(1, 45),
+    in_place=st.booleans(),
+)
+def test_checked_ids_are_checked_by_their_bounds(parts, vocab, in_place) -> None:
+    """A prompt grown from checked parts passes check_prompt exactly when the same ids as
+    a plain list do, without a copy; only the appended part is ever converted."""
+    ids = CheckedIds()
+    for part in parts:
+        if in_place:
+            ids.extend_checked(part)
+        else:
+            ids = ids.extended(part)
+    flat = [i for part in parts for i in part]
+    assert list(ids) == flat
+    try:
+        expected: list[int] | str = check_prompt(flat, vocab)
+    except ValueError as e:
+        expected = str(e)
+    try:
+        got = check_prompt(ids, vocab)
+        assert got is ids
+    except ValueError as e:
+        got = str(e)  # type: ignore[assignment]
+    assert got == expected
+
+
+def test_checked_ids_refuse_bad_parts() -> None:
+    ids = CheckedIds([1, 2])
+    for bad in ([-1], [1.5], ["a"], [[1]]):
+        with pytest.raises(ValueError, match="prompt_ids"):
+            ids.extended(bad)  # type: ignore[arg-type]
+    assert ids.extended(torch.tensor([7])) == [1, 2, 7]
+    assert ids == [1, 2] and (ids.low, ids.high) == (1, 2)
 
 
 def test_engines_satisfy_the_protocol() -> None:

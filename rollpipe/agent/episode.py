@@ -63,6 +63,7 @@ from rollpipe.agent.generation_timeout import GenerationTimeoutError, answer_wit
 from rollpipe.agent.messages import messages_text
 from rollpipe.agent.records import EndReason, EpisodeSpec, Trajectory, Turn
 from rollpipe.agent.tools import tool_set
+from rollpipe.engines.inputs import CheckedIds
 from rollpipe.engines.protocol import Engine
 from rollpipe.engines.records import EngineError, Generation, SamplingParams
 from rollpipe.engines.routing import Session, in_session
@@ -283,7 +284,9 @@ async def run_episode(
 
     session = Session(spec.episode_id)
     turns: list[Turn] = []
-    context: list[int] = []  # conversation mode: every id the engine has seen or produced
+    # conversation mode: every id the engine has seen or produced, checked as it grew (so
+    # the engine's check of each prompt costs the new ids, not the history)
+    context = CheckedIds()
     windowed = chat.history_window is not None
     stop_ids = tuple(sampling.stop_token_ids)
     if chat.eot_id is not None and chat.eot_id not in stop_ids and not sampling.ignore_eos:
@@ -334,7 +337,7 @@ async def run_episode(
                 added = dialog.first_prompt(observation)
             else:
                 added, broke = dialog.continuation(observation, turns[-1].response_ids)
-            prompt = added if windowed else [*context, *added]
+            prompt = added if windowed else context.extended(added)
             budget = s.max_length - len(prompt)
             if budget < 1:
                 end_reason = "max_length"
@@ -356,8 +359,9 @@ async def run_episode(
             text = action.text if action is not None and structured else chat.decode(gen.token_ids)
             fields = _turn(added, gen, text, messages_text(observation))
             fields["prefix_break"] = broke
-            if not windowed:
-                context = [*prompt, *gen.token_ids]
+            if not windowed:  # the engine is done with prompt: it becomes the context
+                context = prompt  # type: ignore[assignment]
+                context.extend_checked(gen.token_ids)
             if gen.finish_reason == "length" and on_length != "step":
                 turns.append(Turn(**fields, reward=penalty, action_valid=False, stepped=False))
                 if on_length == "end":

@@ -2,6 +2,9 @@
 
 ``check_prompt`` turns whatever holds the ids (list, tuple, tensor, ndarray) into one
 ``list[int]`` and range-checks it in bulk; nothing after it converts ids again.
+``CheckedIds`` is a prompt built by appending checked parts (an episode's growing
+conversation): it knows its bounds, so ``check_prompt`` accepts it without looking at
+its ids again, and a turn's cost does not grow with the history.
 ``named_tensors`` turns the accepted weight containers into one list of pairs.
 """
 
@@ -17,19 +20,70 @@ import torch
 
 from rollpipe.engines.protocol import WeightsLike
 
-__all__ = ["PromptIds", "check_prompt", "named_tensors"]
+__all__ = ["CheckedIds", "PromptIds", "check_prompt", "named_tensors"]
 
 PromptIds: TypeAlias = Sequence[int] | torch.Tensor | npt.NDArray[np.integer[Any]]
 """What a prompt's token ids may come as: a sequence of ints or a 1-D integer array."""
 
 
+class CheckedIds(list[int]):
+    """Token ids checked as they were appended, with their smallest and largest id.
+
+    Grow one only with ``extended`` (a copy) or ``extend_checked`` (in place); any other
+    change to the list would leave its bounds stale. ``check_prompt`` then needs only
+    the bounds, however long the prompt.
+    """
+
+    __slots__ = ("high", "low")
+
+    def __init__(self, ids: PromptIds = ()) -> None:
+        checked = _converted(ids) if len(ids) else []
+        super().__init__(checked)
+        self.low = min(checked) if checked else None
+        self.high = max(checked) if checked else None
+
+    def extended(self, part: PromptIds) -> CheckedIds:
+        """A copy with ``part`` appended (only ``part`` is checked)."""
+        out = CheckedIds()
+        list.extend(out, self)
+        out.low, out.high = self.low, self.high
+        out.extend_checked(part)
+        return out
+
+    def extend_checked(self, part: PromptIds) -> None:
+        """Append ``part`` in place, checking only it."""
+        if not len(part):
+            return
+        ids = _converted(part)
+        list.extend(self, ids)
+        low, high = min(ids), max(ids)
+        self.low = low if self.low is None else min(self.low, low)
+        self.high = high if self.high is None else max(self.high, high)
+
+
+def _converted(prompt_ids: PromptIds) -> list[int]:
+    """``prompt_ids`` as a list of ints, each >= 0 (no vocabulary check)."""
+    return check_prompt(prompt_ids, None)
+
+
 def check_prompt(prompt_ids: PromptIds, vocab_size: int | None = None) -> list[int]:
-    """Prompt token ids as a new ``list[int]``, after checking them all at once.
+    """Prompt token ids as a ``list[int]``, after checking them all at once.
 
     Accepts a sequence of ints, a 1-D integer tensor or ndarray. Raises ``ValueError``
     naming ``prompt_ids`` for anything else, for an empty prompt, and for ids outside
-    ``[0, vocab_size)``.
+    ``[0, vocab_size)``. A ``CheckedIds`` is checked by its bounds and returned as it is
+    (not copied: an engine never changes a prompt); any other input gives a new list.
     """
+    if type(prompt_ids) is CheckedIds:
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty; a prompt needs at least one token")
+        high = prompt_ids.high
+        if vocab_size is not None and high is not None and high >= vocab_size:
+            bad = [i for i in prompt_ids if i >= vocab_size][:5]
+            raise ValueError(
+                f"prompt_ids holds ids outside the vocabulary [0, {vocab_size}): {bad}"
+            )
+        return prompt_ids
     source = prompt_ids.detach().cpu() if isinstance(prompt_ids, torch.Tensor) else prompt_ids
     try:
         ids = np.asarray(source)
