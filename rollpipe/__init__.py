@@ -20,6 +20,15 @@ _EXPORTS: dict[str, str] = {
     "Trajectory": "rollpipe.agent.records",
     "Group": "rollpipe.agent.records",
     "ChatFormat": "rollpipe.agent.chat",
+    "AssistantAction": "rollpipe.agent.actions",
+    "ToolCall": "rollpipe.agent.actions",
+    "ToolSet": "rollpipe.agent.tools",
+    "ResponseParser": "rollpipe.agent.parsers",
+    "ToolEnv": "rollpipe.envs.tool_env",
+    "calculator_env": "rollpipe.envs.calculator",
+    "PromptTask": "rollpipe.envs.task",
+    "DatasetSettings": "rollpipe.nodes.dataset",
+    "ScriptedEngine": "rollpipe.engines.scripted",
     "run_episode": "rollpipe.agent.episode",
     "trajectory_rows": "rollpipe.data.rows",
     "to_roll": "rollpipe.data.roll_layout",
@@ -58,9 +67,12 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
+    from rollpipe.agent.actions import AssistantAction, ToolCall
     from rollpipe.agent.chat import ChatFormat
     from rollpipe.agent.episode import EpisodeSettings, run_episode
+    from rollpipe.agent.parsers import ResponseParser
     from rollpipe.agent.records import EpisodeSpec, Group, Trajectory, Turn
+    from rollpipe.agent.tools import ToolSet
     from rollpipe.config import PipelineConfig
     from rollpipe.data.proto import DataProto
     from rollpipe.data.proto.divisor import pad_to_divisor, unpad
@@ -69,10 +81,15 @@ if TYPE_CHECKING:
     from rollpipe.data.verl_layout import to_verl
     from rollpipe.engines.hf import HFEngine
     from rollpipe.engines.records import EngineClosedError, EngineError, Generation, SamplingParams
+    from rollpipe.engines.scripted import ScriptedEngine
     from rollpipe.engines.tiny_model import build_tiny_model, default_model_path
     from rollpipe.engines.vllm import VLLMEngine
+    from rollpipe.envs.calculator import calculator_env
+    from rollpipe.envs.task import PromptTask
+    from rollpipe.envs.tool_env import ToolEnv
     from rollpipe.nodes.batch import Batch, TrajectoryBatch
     from rollpipe.nodes.collate import Collate, CollateSettings
+    from rollpipe.nodes.dataset import DatasetSettings
     from rollpipe.nodes.episode_source import EnvChoice, EpisodeSource, SourceSettings
     from rollpipe.nodes.groups import GroupAssembler, GroupSettings
     from rollpipe.nodes.pausable import Pausable

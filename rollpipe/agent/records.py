@@ -304,6 +304,11 @@ class Trajectory:
         return f"{self.tag}/g{self.group_id}"
 
     @property
+    def prefix_breaks(self) -> int:
+        """Turns at which the chat template re-rendered earlier history (agent/dialog.py)."""
+        return sum(t.prefix_break for t in self.turns)
+
+    @property
     def traj_id(self) -> str:
         """Readable trajectory id, e.g. ``"frozenlake/g12/e98"`` (unique per episode)."""
         return f"{self.group_uid}/e{self.episode_id}"

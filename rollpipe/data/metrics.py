@@ -13,6 +13,12 @@ and turns not stepped (a cut response under ``on_length="skip"`` / ``"end"``: in
 turn whose env did not report it (``Turn.action_valid is None``, e.g. every gem env) is
 left out, and with no known turn the rate is NaN (unknown, not 0.0). The key is always
 present, so per-batch lists stay aligned across a ``DataProto.concat``.
+
+Tool calls (``rollpipe.envs.tool_env``) are counted as batch totals, not means:
+``tool/calls``, ``tool/malformed``, ``tool/errors``, ``tool/timeouts`` (always present, 0
+without tools) and per tool name ``tool/{kind}/{name}`` (when a tool was called).
+``prefix_breaks`` counts the turns at which a chat template re-rendered earlier history
+(``rollpipe.agent.dialog``): rows there differ from a fresh render of the conversation.
 """
 
 from __future__ import annotations
@@ -36,6 +42,20 @@ DROP_KINDS = (
     "incomplete",
     "wasted_tokens",  # generated tokens of the trajectories dropped above
 )
+
+
+TOOL_TOTALS = ("tool/calls", "tool/malformed", "tool/errors", "tool/timeouts")
+"""Tool-call counts summed over a batch's trajectories (always reported)."""
+
+
+def tool_totals(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """``tool/...`` counts summed over the trajectories (see the module doc)."""
+    totals = dict.fromkeys(TOOL_TOTALS, 0.0)
+    for t in trajectories:
+        for name, value in t.env_metrics.items():
+            if name.startswith("tool/"):
+                totals[name] = totals.get(name, 0.0) + float(value)
+    return totals
 
 
 TAG_KEYS = (
@@ -150,6 +170,8 @@ def batch_metrics(
         metrics[f"dropped/{kind}"] = float(drops.get(kind, 0))
     metrics["end_reason/error"] = float(sum(t.end_reason == "error" for t in trajectories))
     metrics["valid_action_rate"] = _valid_rate(trajectories)
+    metrics["prefix_breaks"] = float(sum(t.prefix_breaks for t in trajectories))
+    metrics.update(tool_totals(trajectories))
     by_tag: defaultdict[str, list[Trajectory]] = defaultdict(list)
     for t in trajectories:
         by_tag[t.tag].append(t)

@@ -146,6 +146,7 @@ def takes_row(env: Any) -> bool:
 
 
 def _register_builtins() -> None:
+    from rollpipe.envs.calculator import calculator_env
     from rollpipe.envs.frozenlake import FrozenLake
     from rollpipe.envs.sokoban import Sokoban
     from rollpipe.envs.task import PromptTask
@@ -153,6 +154,7 @@ def _register_builtins() -> None:
     register("frozenlake", FrozenLake)
     register("sokoban", Sokoban)
     register("task", PromptTask)
+    register("calculator", calculator_env)
 
 
 _register_builtins()
