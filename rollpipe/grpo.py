@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from rollpipe.corrections import Corrected, Correction
 from rollpipe.data.proto import DataProto
 
 
@@ -93,6 +94,10 @@ def policy_loss(
     advantages: torch.Tensor,
     clip: float = 0.2,
     loss_agg_mode: str = "token-mean",
+    *,
+    old_logprobs: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """PPO-clipped policy gradient over response tokens, mean over tokens.
 
@@ -101,16 +106,24 @@ def policy_loss(
     name): ``"token-mean"`` averages over all response tokens of the batch, so a long
     row weighs more; ``"seq-mean-token-mean"`` averages each row's tokens, then the rows
     (GRPO's original form: every trajectory weighs the same).
+
+    With an off-policy correction (``rollpipe.corrections``): ``old_logprobs`` replaces
+    ``infer_logprobs`` as the ratio's anchor (verl's decoupled mode), ``weights``
+    multiply each token's objective (importance weights) and ``mask`` replaces
+    ``response_mask`` (rejected tokens leave the loss and its mean).
     """
     td = batch.batch
     if td is None:
         raise ValueError("policy_loss needs a DataProto with response_mask and infer_logprobs")
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"policy_loss: loss_agg_mode must be one of {LOSS_AGG_MODES}")
-    mask = td["response_mask"].float()
-    ratio = torch.exp(logprobs - td["infer_logprobs"].float())
+    mask = (td["response_mask"] if mask is None else mask).float()
+    anchor = td["infer_logprobs"].float() if old_logprobs is None else old_logprobs.detach()
+    ratio = torch.exp(logprobs - anchor)
     adv = advantages if advantages.dim() == 2 else advantages[:, None]
     objective = torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
+    if weights is not None:
+        objective = objective * weights.detach()
     if loss_agg_mode == "seq-mean-token-mean":
         per_row = (objective * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
         return -per_row.mean()
@@ -164,9 +177,11 @@ TRAIN_KEYS = ("input_ids", "attention_mask", "position_ids", "response_mask", "i
 """The row fields :func:`token_logprobs` and :func:`policy_loss` read."""
 
 
-def active_rows(batch: DataProto, advantages: torch.Tensor) -> tuple[DataProto, torch.Tensor]:
-    """The rows with a non-zero advantage (the only ones with a gradient), their
-    :data:`TRAIN_KEYS` cut to their own longest row (right padding), and their advantages."""
+def active_rows(
+    batch: DataProto, advantages: torch.Tensor, keys: tuple[str, ...] = TRAIN_KEYS
+) -> tuple[DataProto, torch.Tensor]:
+    """The rows with a non-zero advantage (the only ones with a gradient), their ``keys``
+    (:data:`TRAIN_KEYS`) cut to their own longest row (right padding), and their advantages."""
     td = batch.batch
     if td is None:
         raise ValueError("active_rows needs a DataProto with tensors")
@@ -174,7 +189,7 @@ def active_rows(batch: DataProto, advantages: torch.Tensor) -> tuple[DataProto, 
     keep = (nonzero.any(-1) if advantages.dim() == 2 else nonzero).nonzero().squeeze(-1)
     mask = td["attention_mask"][keep]
     width = int(mask.sum(-1).max()) if len(keep) else 0
-    tensors = {k: td[k][keep, :width] for k in TRAIN_KEYS}
+    tensors = {k: td[k][keep, :width] for k in keys}
     kept = advantages[keep, :width] if advantages.dim() == 2 else advantages[keep]
     return DataProto.from_dict(tensors=tensors), kept
 
@@ -190,6 +205,8 @@ def grpo_step(
     advantages: torch.Tensor | None = None,
     loss_agg_mode: str = "token-mean",
     mini_batch_size: int | None = None,
+    correction: Correction | None = None,
+    policy_version: int | None = None,
 ) -> dict[str, float]:
     """One GRPO update on ``batch``: advantages of ``episode_scores`` within
     ``traj_group_id`` groups (or the given ``advantages``), the clipped loss on the
@@ -207,6 +224,14 @@ def grpo_step(
     ``[1 - clip, 1 + clip]``), ``logprob_gap`` (mean ``|trainer - infer_logprobs|`` on
     the first mini-batch's tokens before its step: near 0 when the engine ran the
     trainer's weights) and ``updates`` (optimizer steps taken).
+
+    ``correction`` (a :class:`rollpipe.corrections.Correction`) corrects for the gap
+    between trainer and engine (verl's decoupled mode): one forward pass without
+    gradient gives the policy's log-probabilities before the update, the ratios are taken
+    against those, each token's objective is multiplied by the correction's weights and
+    its masks remove tokens; the figures then include its metrics (``rollout_corr/...``,
+    ``staleness/...``, over the active rows). ``policy_version`` is the trainer's current
+    version, for the correction's age weights and masks (None: the newest in the batch).
     """
     td = batch.batch
     if td is None:
@@ -215,22 +240,44 @@ def grpo_step(
         raise ValueError(f"grpo_step: mini_batch_size must be >= 1 or None, not {mini_batch_size}")
     if advantages is None:
         advantages = group_advantages(td["episode_scores"], td["traj_group_id"], scale=scale)
-    rows, adv = active_rows(batch, advantages)
+    keys: tuple[str, ...] = TRAIN_KEYS
+    if correction is not None and correction.uses_versions:
+        if "policy_versions" not in td:
+            raise ValueError(
+                "grpo_step: the correction's max_staleness / staleness_decay need the rows' "
+                "policy_versions column; the batch has none"
+            )
+        keys = (*TRAIN_KEYS, "policy_versions")
+    rows, adv = active_rows(batch, advantages, keys)
     figures = {"loss": 0.0, "grad_norm": 0.0, "active_rows": len(rows) / max(1, len(batch))}
     figures.update(clip_frac=0.0, logprob_gap=0.0, updates=0.0)
     size = mini_batch_size or max(1, len(rows))
-    steps = [
-        _update(
-            policy,
-            optimizer,
-            rows[i : i + size],
-            adv[i : i + size],
-            clip,
-            max_grad_norm,
-            loss_agg_mode,
+    starts = range(0, len(rows), size)
+    fixed: Corrected | None = None
+    old: torch.Tensor | None = None
+    if correction is not None and len(rows):
+        policy.train()
+        with torch.no_grad():
+            old = torch.cat(
+                [token_logprobs(policy, rows[i : i + size], share_prefix=True) for i in starts]
+            )
+        fixed = correction.apply(old, rows, current_version=policy_version)
+        figures.update(fixed.metrics)
+    steps = []
+    for i in starts:
+        part = slice(i, i + size)
+        extra = {}
+        if fixed is not None and old is not None:
+            extra = {
+                "old_logprobs": old[part],
+                "weights": fixed.weights[part],
+                "mask": fixed.mask[part],
+            }
+        steps.append(
+            _update(
+                policy, optimizer, rows[part], adv[part], clip, max_grad_norm, loss_agg_mode, extra
+            )
         )
-        for i in range(0, len(rows), size)
-    ]
     if steps:
         for key in ("loss", "grad_norm", "clip_frac"):
             figures[key] = sum(s[key] for s in steps) / len(steps)
@@ -246,11 +293,13 @@ def _update(
     clip: float,
     max_grad_norm: float | None,
     loss_agg_mode: str,
+    correction: dict[str, torch.Tensor],
 ) -> dict[str, float]:
-    """One optimizer step on ``rows``; the figures :func:`grpo_step` reports."""
+    """One optimizer step on ``rows`` (``correction``: :func:`policy_loss`'s keywords);
+    the figures :func:`grpo_step` reports."""
     policy.train()
     logprobs = token_logprobs(policy, rows, share_prefix=True)
-    loss = policy_loss(logprobs, rows, adv, clip=clip, loss_agg_mode=loss_agg_mode)
+    loss = policy_loss(logprobs, rows, adv, clip=clip, loss_agg_mode=loss_agg_mode, **correction)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     params = [p for p in policy.parameters() if p.grad is not None]
@@ -260,8 +309,11 @@ def _update(
     with torch.no_grad():
         rtd = rows.batch
         assert rtd is not None
-        gap = (logprobs.detach() - rtd["infer_logprobs"].float())[rtd["response_mask"].bool()]
-        ratio = gap.exp()
+        response = rtd["response_mask"].bool()
+        infer = rtd["infer_logprobs"].float()
+        gap = (logprobs.detach() - infer)[response]
+        anchor = correction.get("old_logprobs", infer)
+        ratio = (logprobs.detach() - anchor)[response].exp()
         clipped = ((ratio < 1 - clip) | (ratio > 1 + clip)).float()
     return {
         "loss": float(loss.detach()),
