@@ -120,16 +120,27 @@ class OpenEnvEnv:
         try:
             return await call
         except Exception as exc:
+            said = ""
+            if type(exc).__name__.startswith("ConnectionClosed"):  # websockets'
+                said = await self._last_word()
+                self._drop_client()  # the next reset opens a new session
+            text = f"{type(exc).__name__}: {exc}{said}"
             hint = ""
-            if "capacity" in str(exc).lower() or "max_concurrent" in str(exc).lower():
+            if "capacity" in text.lower():
                 hint = (
                     "; the server holds fewer sessions than rollpipe runs episodes: serve the "
                     "app with create_app(..., max_concurrent_envs=N), N >= concurrency"
                 )
             raise RuntimeError(
-                f"OpenEnvEnv {what} on the server ({self.where}) failed: "
-                f"{type(exc).__name__}: {exc}{hint}"
+                f"OpenEnvEnv {what} on the server ({self.where}) failed: {text}{hint}"
             ) from exc
+
+    async def _last_word(self) -> str:
+        """What a server that closed the session sent before closing (e.g. why)."""
+        ws = getattr(self._client, "_ws", None)  # OpenEnv's client keeps its socket here
+        with contextlib.suppress(Exception):
+            return f"; the server said: {await asyncio.wait_for(ws.recv(), 1.0)}"  # type: ignore[union-attr]
+        return ""
 
     async def reset(self, seed: int) -> tuple[str, Info]:
         """Reset the server's env with ``seed``."""
