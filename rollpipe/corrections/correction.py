@@ -162,9 +162,9 @@ class Correction:
         metrics = gap_metrics(logprobs, batch, mask)
         if self.uses_versions:
             metrics.update(staleness_metrics(batch, current_version))
-        if self.rollout_is is not None:
-            kept = weights[mask]
-            metrics["rollout_corr/rollout_is_mean"] = float(kept.mean()) if len(kept) else 0.0
+        if self.rollout_is is not None:  # verl's: over every response token, masked or not
+            given = weights[td["response_mask"].bool()]
+            metrics["rollout_corr/rollout_is_mean"] = float(given.mean()) if len(given) else 0.0
         return Corrected(weights=weights, mask=mask, metrics=metrics)
 
     def _ratio_mask(self, logprobs: torch.Tensor, batch: DataProto) -> torch.Tensor:

@@ -131,7 +131,7 @@ def test_correction_and_decoupled_loss_are_verls(seed, spread):
     current = old + 0.1 * torch.randn(old.shape, generator=gen)
     advantages = torch.randn(len(batch), generator=gen)
     td = batch.batch
-    weights, verl_mask, _ = compute_rollout_correction_and_rejection_mask(
+    weights, verl_mask, metrics = compute_rollout_correction_and_rejection_mask(
         old_log_prob=old,
         rollout_log_prob=td["infer_logprobs"],
         response_mask=td["response_mask"].float(),
@@ -147,6 +147,11 @@ def test_correction_and_decoupled_loss_are_verls(seed, spread):
     assert weights is not None
     torch.testing.assert_close(ours.weights, weights.batch["rollout_is_weights"].float(), **TOL)
     assert torch.equal(ours.mask, verl_mask.bool())
+    for key in ("rollout_is_mean", "rollout_rs_masked_fraction", "kl"):
+        mine = key.replace("rollout_rs_", "")
+        assert ours.metrics[f"rollout_corr/{mine}"] == pytest.approx(
+            metrics[f"rollout_corr/{key}"], abs=1e-6, rel=1e-5
+        )
     if not ours.mask.any():
         return
     config = ActorConfig(
