@@ -15,9 +15,12 @@ from collections.abc import Callable
 from typing import Any
 
 from rollpipe._utils.import_path import NotAnImportPath, import_object
-from rollpipe.envs.base import AsyncTextEnv, TextEnv
+from rollpipe.envs.base import AsyncTextEnv, ChatEnv, TextEnv
 
-EnvFactory = Callable[..., TextEnv | AsyncTextEnv]
+AnyEnv = TextEnv | AsyncTextEnv | ChatEnv
+
+EnvFactory = Callable[..., Any]
+"""Builds an env (a ``TextEnv``, an ``AsyncTextEnv`` or a ``ChatEnv``, duck-typed)."""
 
 _REGISTRY: dict[str, EnvFactory] = {}
 
@@ -100,7 +103,7 @@ def check_config(name: str, config: dict[str, Any]) -> None:
         )
 
 
-def make(name: str, **config: Any) -> TextEnv | AsyncTextEnv:
+def make(name: str, **config: Any) -> AnyEnv:
     """Build env ``name`` (a registered name or an import path) with ``config``; unknown
     names/keys list the valid ones."""
     check_config(name, config)
