@@ -113,3 +113,45 @@ def bench(session: nox.Session) -> None:
     """
     install_project(session, "cpu,bench")
     session.run("python", "-m", "bench.run", *session.posargs)
+
+
+ECOSYSTEMS = {
+    "gem": ("gem", "tests/ecosystems/test_gem.py"),
+    "reasoning-gym": ("reasoning_gym", "tests/ecosystems/test_reasoning_gym.py"),
+    "textarena": ("textarena", "tests/ecosystems/test_textarena.py"),
+    "openenv": ("openenv.core", "tests/ecosystems/test_openenv.py"),
+}
+"""Extra -> (module it installs, its tests): one session each, named after the extra."""
+
+
+def ecosystem_tests(session: nox.Session, extra: str) -> None:
+    """Install rollpipe with the cpu and dev extras and ``extra``, then run its adapter's
+    tests with the real package (they share one vLLM engine)."""
+    module, tests = ECOSYSTEMS[extra]
+    install_project(session, f"cpu,dev,{extra}")
+    session.run("python", "-c", f"import {module}")  # a broken install fails here, not as skips
+    session.run("pytest", tests, *(session.posargs or ["-q"]))
+
+
+@nox.session(python=PYTHON)
+def gem(session: nox.Session) -> None:
+    """gem (gem-llm) envs through rollpipe.envs.adapters.gem."""
+    ecosystem_tests(session, "gem")
+
+
+@nox.session(python=PYTHON, name="reasoning-gym")
+def reasoning_gym(session: nox.Session) -> None:
+    """reasoning-gym tasks through rollpipe.envs.adapters.reasoning_gym."""
+    ecosystem_tests(session, "reasoning-gym")
+
+
+@nox.session(python=PYTHON)
+def textarena(session: nox.Session) -> None:
+    """TextArena single-player games through rollpipe.envs.adapters.textarena."""
+    ecosystem_tests(session, "textarena")
+
+
+@nox.session(python=PYTHON)
+def openenv(session: nox.Session) -> None:
+    """An OpenEnv env server (served here by the adapter) through rollpipe.envs.adapters.openenv."""
+    ecosystem_tests(session, "openenv")
