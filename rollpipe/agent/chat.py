@@ -40,11 +40,12 @@ _SENTINEL = "XQZSENTINELZQX"
 PROMPT_CACHE_SIZE = 4096  # observations whose rendered prompt pieces are kept
 
 
-def _parser_name(instance: Any, attribute: attrs.Attribute, value: str | None) -> None:
+def parser_name(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    """Validator: None or a non-empty str (vLLM looks the name up when a parser is built)."""
     if value is not None and (not isinstance(value, str) or not value):
         raise ValueError(
-            f"ChatFormat.{attribute.name} must be None or a vLLM parser name such as "
-            f"'hermes', got {value!r}"
+            f"{type(instance).__name__}.{attribute.name} must be None or a vLLM parser name "
+            f"such as 'hermes' (tools) or 'qwen3' (reasoning), got {value!r}"
         )
 
 
@@ -86,8 +87,8 @@ class ChatFormat:
     )
     current_header: str = "Step {step}. Current observation:"
     task_header: str = "The task, as first shown:"
-    tool_parser: str | None = attrs.field(default=None, validator=_parser_name)
-    reasoning_parser: str | None = attrs.field(default=None, validator=_parser_name)
+    tool_parser: str | None = attrs.field(default=None, validator=parser_name)
+    reasoning_parser: str | None = attrs.field(default=None, validator=parser_name)
     _eot_id: int | None = attrs.field(init=False, eq=False, repr=False, default=None)
     # Per-observation caches of the rendered and tokenized pieces (conversation mode and
     # every turn 0): envs repeat observations (a group shares its first one, FrozenLake

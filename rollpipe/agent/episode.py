@@ -53,7 +53,7 @@ import attrs
 
 from rollpipe._utils.checks import float_in, instance_of, int_in, one_of, optional, seconds_or_none
 from rollpipe._utils.seeding import derive_seed
-from rollpipe.agent.chat import DEFAULT_SYSTEM_PROMPT, ChatFormat
+from rollpipe.agent.chat import DEFAULT_SYSTEM_PROMPT, ChatFormat, parser_name
 from rollpipe.agent.dialog import Dialog
 from rollpipe.agent.env_caller import Clock, EnvCaller
 from rollpipe.agent.env_errors import EnvFailed
@@ -147,8 +147,8 @@ class EpisodeSettings:
         default=None, validator=optional(float_in(-math.inf))
     )
     max_aborts: int = attrs.field(default=1000, validator=int_in(0, MAX_ABORTS))
-    tool_parser: str | None = attrs.field(default=None, validator=_STR_OR_NONE)
-    reasoning_parser: str | None = attrs.field(default=None, validator=_STR_OR_NONE)
+    tool_parser: str | None = attrs.field(default=None, validator=parser_name)
+    reasoning_parser: str | None = attrs.field(default=None, validator=parser_name)
 
     def __attrs_post_init__(self) -> None:
         if self.on_length == "step" and self.length_penalty is not None:
