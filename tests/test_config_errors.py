@@ -94,6 +94,8 @@ BAD: dict[str, list[Any]] = {
     "on_length": ["x", None, 1, True],
     "length_penalty": [math.nan, math.inf, "0.1", True],
     "max_aborts": [-1, 1.5, "3", True, None, 10**30],
+    "tool_parser": [3, True, ["hermes"], ""],
+    "reasoning_parser": [3, True, ["qwen3"], ""],
     "dataset": [3, "nope", [], {"rows": [1], "epochs": 0}, {"rows": iter([1])}, {"row": [1]}],
 }
 # fields whose check needs another field set to take effect
