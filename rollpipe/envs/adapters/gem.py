@@ -10,8 +10,8 @@ expects and gem leaves out:
   conversation itself;
 * ``info["success"]``: the step ended the episode with gem's success reward (1.0);
 * ``info["metrics"]``: ``success`` (last), ROLL's name, so ``env/{tag}/success`` is logged;
-* each env draws from a private copy of the global ``random`` / ``numpy.random`` state
-  (gem seeds and draws from the global ones), so concurrent episodes stay reproducible.
+* each env draws from a private copy of the global ``random`` state (gem seeds and
+  draws from the global one), so concurrent episodes stay reproducible.
 
 gem does not say whether an action was valid (an unparsable guess gets a format penalty
 and ends the game), so ``info`` has no ``action_valid``: the turn counts as unknown.
