@@ -411,3 +411,22 @@ def test_the_rollout_core_does_not_import_training() -> None:
         and any(t == TRAINING or t.startswith(TRAINING + ".") for t in targets)
     }
     assert users <= TRAINING_USERS, f"rollout-core modules importing {TRAINING}: {users}"
+
+
+def test_tests_do_not_import_test_modules() -> None:
+    """A test module imported from another one (``from tests.test_x import ...``) is loaded
+    twice (pytest imports it as ``test_x``): its import-time side effects (env
+    registrations) then point at the second copy's classes. Shared helpers go in a
+    non-test module (``tests/waiting.py``, ``tests/records.py``)."""
+    found = {}
+    for path in sorted(TESTS.rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            bad = [n for n in names if n.rpartition(".")[2].startswith("test_")]
+            if bad:
+                found[str(path.relative_to(TESTS))] = bad
+    assert not found, f"test modules imported by other tests: {found}"
