@@ -239,3 +239,23 @@ def test_a_pipeline_resumed_mid_epoch_sees_every_row_once(vllm_engine, tokenizer
         rest = seen(restored)
     assert Counter(first + rest) == Counter(whole) == {i: 2 for i in range(len(ROWS))}
     assert first == whole[: len(first)]
+
+
+def test_an_env_brings_its_own_system_prompt(tokenizer):
+    """PromptTask's instructions replace the pipeline's game prompt in its episodes; an env
+    that declares none keeps the pipeline's; the copies are kept, one per prompt."""
+    from rollpipe.agent.chat import DEFAULT_SYSTEM_PROMPT, ChatFormat
+    from rollpipe.envs.frozenlake import FrozenLake
+    from rollpipe.envs.task import DEFAULT_TASK_PROMPT
+
+    chat = ChatFormat(tokenizer)
+    task = PromptTask()
+    own = chat.for_env(task)
+    assert own.system_prompt == DEFAULT_TASK_PROMPT and chat.for_env(task) is own
+    assert chat.for_env(FrozenLake()) is chat
+    text = tokenizer.decode(own.turn_prompt("What is 1 + 1?", []))
+    assert DEFAULT_TASK_PROMPT in text and DEFAULT_SYSTEM_PROMPT not in text
+    assert chat.for_env(PromptTask(system_prompt=None)).system_messages() == []
+    task.system_prompt = 3  # type: ignore[assignment]
+    with pytest.raises(ValueError, match=r"PromptTask.system_prompt must be a str or None"):
+        chat.for_env(task)

@@ -102,6 +102,9 @@ class ChatFormat:
     _parsers: dict[str, ResponseParser] = attrs.field(
         init=False, eq=False, repr=False, factory=dict
     )
+    _variants: dict[str | None, ChatFormat] = attrs.field(
+        init=False, eq=False, repr=False, factory=dict
+    )
 
     def __attrs_post_init__(self) -> None:
         if getattr(self.tokenizer, "chat_template", None) is None:
@@ -226,6 +229,25 @@ class ChatFormat:
     def parses_responses(self) -> bool:
         """Whether a tool or reasoning parser is set."""
         return self.tool_parser is not None or self.reasoning_parser is not None
+
+    def for_env(self, env: Any) -> ChatFormat:
+        """This format, or one with the env's own ``system_prompt`` when the env (its class
+        or the instance) declares one: a task's instructions instead of the default game
+        prompt. One copy is kept per prompt, so its caches serve every episode."""
+        if not hasattr(env, "system_prompt"):
+            return self
+        prompt = env.system_prompt
+        if prompt == self.system_prompt:
+            return self
+        if prompt is not None and not isinstance(prompt, str):
+            raise ValueError(
+                f"{type(env).__name__}.system_prompt must be a str or None (no system "
+                f"message), got {prompt!r}"
+            )
+        variant = self._variants.get(prompt)
+        if variant is None:
+            variant = self._variants.setdefault(prompt, attrs.evolve(self, system_prompt=prompt))
+        return variant
 
     def system_messages(self) -> list[dict[str, str]]:
         """The system message a conversation starts with (none if ``system_prompt`` is None)."""

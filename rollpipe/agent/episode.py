@@ -249,7 +249,8 @@ async def run_episode(
     turns, token budget, sampling, timeouts, reward and length handling. The keywords
     are runtime wiring only. ``chat`` formats the prompts (its
     ``system_prompt`` and ``history_window`` are used, not those of ``settings``: build
-    it with ``settings.chat_format(tokenizer)``).
+    it with ``settings.chat_format(tokenizer)``; an env that declares ``system_prompt``
+    gets its own).
 
     ``env.reset(spec.seed)`` starts it (group members share the seed, hence the start
     state); turn ``t`` samples with seed ``derive_seed(spec.seed, spec.episode_id, t)``.
@@ -267,6 +268,7 @@ async def run_episode(
     ``env_id`` is the env instance's id, reported in the rows.
     """
     s = settings
+    chat = chat.for_env(env)  # an env's own system prompt, if it declares one
     sampling, reward_clip, on_length = s.sampling, s.reward_clip, s.on_length
     penalty = s.cut_turn_reward
     clock = Clock()

@@ -20,7 +20,12 @@ from typing import Any
 from rollpipe._utils.checks import check_int
 from rollpipe._utils.import_path import NotAnImportPath, import_object
 
-__all__ = ["SCORERS", "PromptTask", "extract_answer"]
+__all__ = ["DEFAULT_TASK_PROMPT", "SCORERS", "PromptTask", "extract_answer"]
+
+DEFAULT_TASK_PROMPT = (
+    "Solve the problem. Reason briefly, then give the final answer as \\boxed{answer}."
+)
+"""PromptTask's system prompt (the pipeline's default is written for text games)."""
 
 Scorer = Callable[[str, Any], float]
 
@@ -99,6 +104,8 @@ class PromptTask:
     the episode with success; otherwise, while attempts remain, the env answers with
     ``feedback``. The reward of a step is its score. ``info["action_valid"]`` says
     whether an answer could be read from the response (for the built-in scorers).
+    ``system_prompt`` replaces the pipeline's (written for games) in this env's episodes;
+    None sends no system message.
     """
 
     def __init__(
@@ -110,8 +117,10 @@ class PromptTask:
         template: str | None = None,
         feedback: str = "That is not correct. Try again.",
         success_at: float = 1.0,
+        system_prompt: str | None = DEFAULT_TASK_PROMPT,
     ) -> None:
         check_int("PromptTask.attempts", attempts, 1, 64)
+        self.system_prompt = system_prompt
         self.prompt_key, self.answer_key = prompt_key, answer_key
         self.score, self._takes_row = _scorer(score)
         self.attempts = attempts
