@@ -253,7 +253,13 @@ class Rollout(BaseNode[Trajectory]):
     async def _run(self, spec: EpisodeSpec) -> Trajectory:
         env_id, env = self._envs.acquire(spec)
         lease = EnvLease(functools.partial(self._envs.release, spec, env_id, env))
+        own = getattr(env, "run_episode", None)  # an episode kind of its own (AgentEnv)
         try:
+            if own is not None:
+                admit = self.signals.admit
+                return await own(  # type: ignore[no-any-return]
+                    spec, self.engine, self.chat, self.episode, admit=admit, env_id=env_id
+                )
             return await run_episode(
                 spec,
                 env,

@@ -1,0 +1,259 @@
+"""ChatRequest: a ``/v1/chat/completions`` body, checked field by field.
+
+Every problem is a :class:`RequestError` naming the field (OpenAI's ``param``) and what
+to send instead; the server answers it as OpenAI-style error JSON with status 400.
+Messages are normalised to the plain dicts a chat template reads (``role``, ``content``
+as text, ``tool_calls`` with JSON-text arguments, ``tool_call_id``, ``name``,
+``reasoning_content``), so the same conversation compares equal however the client
+serialised it (``content=None`` or ``""``, extra ``refusal`` / ``annotations`` fields).
+
+Fields that would change how the server renders (``chat_template``,
+``chat_template_kwargs``, ...) are refused: the model's own template is the only one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+__all__ = ["ChatRequest", "RequestError", "normalise_message", "parse_chat_request"]
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+TOOL_CHOICES = ("auto", "none")
+REFUSED = (
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "echo",
+    "guided_json",
+    "guided_regex",
+    "response_format",
+)
+UNSUPPORTED_NONZERO = ("presence_penalty", "frequency_penalty")
+
+
+class RequestError(ValueError):
+    """A request the server refuses: ``status`` (400, 401, 404), OpenAI's ``param``."""
+
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.kind, self.code = (
+            message,
+            param,
+            status,
+            kind,
+            code,
+        )
+
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error JSON."""
+        error = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
+        return {"error": error}
+
+
+@attrs.frozen
+class ChatRequest:
+    """What the server uses of a request. ``sampling`` holds the request's own
+    sampling fields (``SamplingParams`` names), applied over the server's defaults."""
+
+    messages: tuple[dict[str, Any], ...]
+    tools: tuple[dict[str, Any], ...] = ()
+    tool_choice: str = "auto"
+    sampling: Mapping[str, Any] = attrs.field(factory=dict)
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content as text: a str, None, or a list of ``text`` parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, Mapping) or part.get("type") != "text":
+                raise RequestError(
+                    f"{where}[{i}] must be a text part {{'type': 'text', 'text': ...}}; this "
+                    "server takes text only",
+                    f"{where}[{i}]",
+                )
+            if not isinstance(part.get("text"), str):
+                raise RequestError(f"{where}[{i}].text must be a string", f"{where}[{i}].text")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise RequestError(
+        f"{where} must be a string, null or a list of text parts, got {type(content).__name__}",
+        where,
+    )
+
+
+def _tool_call(call: Any, where: str) -> dict[str, Any]:
+    if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+        raise RequestError(
+            f"{where} must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}",
+            where,
+        )
+    fn = call["function"]
+    name, arguments = fn.get("name"), fn.get("arguments", "{}")
+    if not isinstance(name, str) or not name:
+        raise RequestError(
+            f"{where}.function.name must be a non-empty string", f"{where}.function.name"
+        )
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments)
+    out = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    if call.get("id") is not None:
+        out["id"] = str(call["id"])
+    return out
+
+
+def normalise_message(message: Any, where: str) -> dict[str, Any]:
+    """``message`` as the plain dict the template renders (see the module doc)."""
+    if not isinstance(message, Mapping):
+        raise RequestError(f"{where} must be an object with 'role' and 'content'", where)
+    role = message.get("role")
+    if role not in ROLES:
+        raise RequestError(f"{where}.role is {role!r}; use one of {ROLES}", f"{where}.role")
+    out: dict[str, Any] = {
+        "role": role,
+        "content": _text(message.get("content"), f"{where}.content"),
+    }
+    calls = message.get("tool_calls")
+    if calls:
+        if role != "assistant" or not isinstance(calls, list):
+            raise RequestError(
+                f"{where}.tool_calls must be a list, on an assistant message", f"{where}.tool_calls"
+            )
+        out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{i}]") for i, c in enumerate(calls)]
+    for key in ("tool_call_id", "name", "reasoning_content"):
+        value = message.get(key)
+        if value is not None:
+            if not isinstance(value, str):
+                raise RequestError(f"{where}.{key} must be a string", f"{where}.{key}")
+            out[key] = value
+    return out
+
+
+def _tool(tool: Any, where: str) -> dict[str, Any]:
+    fn = tool.get("function") if isinstance(tool, Mapping) else None
+    if not isinstance(fn, Mapping) or tool.get("type", "function") != "function":
+        raise RequestError(
+            f"{where} must be {{'type': 'function', 'function': {{'name', "
+            "'description', 'parameters'}}}",
+            where,
+        )
+    if not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise RequestError(
+            f"{where}.function.name must be a non-empty string", f"{where}.function.name"
+        )
+    if "parameters" in fn and not isinstance(fn["parameters"], Mapping):
+        raise RequestError(
+            f"{where}.function.parameters must be a JSON schema object",
+            f"{where}.function.parameters",
+        )
+    return {"type": "function", "function": dict(fn)}
+
+
+def _number(
+    body: Mapping[str, Any], key: str, low: float, high: float, integer: bool = False
+) -> Any:
+    value = body[key]
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not low <= value <= high:
+        kind = "an integer" if integer else "a number"
+        raise RequestError(f"{key} must be {kind} in [{low}, {high}], got {value!r}", key)
+    return value
+
+
+def _sampling(body: Mapping[str, Any]) -> dict[str, Any]:
+    sampling: dict[str, Any] = {}
+    for key in ("max_completion_tokens", "max_tokens"):
+        if body.get(key) is not None:
+            sampling["max_tokens"] = _number(body, key, 1, 2**31, integer=True)
+    if body.get("temperature") is not None:
+        sampling["temperature"] = float(_number(body, "temperature", 0.0, 2.0))
+    if body.get("top_p") is not None:
+        sampling["top_p"] = float(_number(body, "top_p", 1e-9, 1.0))
+    if body.get("top_k") is not None:
+        top_k = _number(body, "top_k", -1, 2**31, integer=True)
+        sampling["top_k"] = max(0, top_k)  # vLLM's -1 and rollpipe's 0 both mean off
+    if body.get("seed") is not None:
+        sampling["seed"] = _number(body, "seed", 0, 2**63 - 1, integer=True)
+    return sampling
+
+
+def _check_unsupported(body: Mapping[str, Any]) -> None:
+    for key in REFUSED:
+        if body.get(key) is not None:
+            raise RequestError(
+                f"{key} is not accepted: this server renders every request "
+                "with the model's own chat template; leave it out",
+                key,
+            )
+    for key in UNSUPPORTED_NONZERO:
+        if body.get(key) not in (None, 0, 0.0):
+            raise RequestError(f"{key} is not supported; leave it out or send 0", key)
+    if body.get("n") not in (None, 1):
+        raise RequestError(f"n={body.get('n')!r}: one choice per request; send n=1", "n")
+    if body.get("stream"):
+        raise RequestError("stream=true is not supported yet; send stream=false", "stream")
+    if body.get("stop"):
+        raise RequestError(
+            "stop strings are not supported; the turn ends at the model's "
+            "end-of-turn token or max_tokens",
+            "stop",
+        )
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    """``body`` (decoded JSON) as a :class:`ChatRequest`; :class:`RequestError` naming
+    the first field that is wrong."""
+    if not isinstance(body, Mapping):
+        raise RequestError("the request body must be a JSON object", None)
+    if not isinstance(body.get("model"), str):
+        raise RequestError("model must be a string (any name: the server has one model)", "model")
+    _check_unsupported(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list of chat messages", "messages")
+    checked = tuple(normalise_message(m, f"messages[{i}]") for i, m in enumerate(messages))
+    tools = body.get("tools") or []
+    if not isinstance(tools, list):
+        raise RequestError("tools must be a list of function tools", "tools")
+    choice = body.get("tool_choice") or "auto"
+    if choice not in TOOL_CHOICES:
+        raise RequestError(
+            f"tool_choice={choice!r} is not supported; use 'auto' or 'none' "
+            "(forced calls need guided decoding, which this server lacks)",
+            "tool_choice",
+        )
+    top = body.get("top_logprobs")
+    if top not in (None, 0):
+        raise RequestError(
+            "top_logprobs is not supported: only the sampled token's "
+            "logprob is returned; leave it out or send 0",
+            "top_logprobs",
+        )
+    logprobs = body.get("logprobs", False)
+    if not isinstance(logprobs, bool):
+        raise RequestError(f"logprobs must be true or false, got {logprobs!r}", "logprobs")
+    return ChatRequest(
+        messages=checked,
+        tools=tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(tools)),
+        tool_choice=choice,
+        sampling=_sampling(body),
+        logprobs=logprobs,
+    )

@@ -1,0 +1,264 @@
+"""FrontDoor: an OpenAI-compatible server whose every call becomes exact training ids.
+
+``/v1/models`` and ``/v1/chat/completions`` (messages, ``tools``, ``tool_choice`` auto
+or none, sampling fields, ``n=1``, ``logprobs``), served by ``aiohttp.web`` on the
+engine's own runtime loop: no second event loop, no thread hop between a request and
+the engine. Each session has its own key (``Authorization: Bearer <key>``). A request
+with a missing, unknown or finished key gets 401 and touches nothing; a malformed one
+gets OpenAI-style error JSON (400) naming the field. Requests are rendered with the
+model's chat template (never one the client sends) and recorded by their
+:class:`~rollpipe.frontdoor.session.AgentSession`; responses carry the tool calls the
+model's own parser read. Binds ``127.0.0.1`` unless told otherwise.
+
+Examples:
+    >>> # with VLLMEngine(path) as engine, FrontDoor(engine, tokenizer, settings) as door:
+    >>> #     session = door.open_session()   # then point any client at door.url
+    >>> #     ...                             # with api_key=session.key
+    >>> #     traj = door.finish(session.key, reward=1.0)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from rollpipe._utils.seeding import derive_seed
+from rollpipe.agent.chat import ChatFormat
+from rollpipe.agent.episode import EpisodeSettings, _generate
+from rollpipe.agent.generation_timeout import GenerationTimeoutError
+from rollpipe.agent.records import EpisodeSpec, Trajectory
+from rollpipe.engines.protocol import Engine
+from rollpipe.engines.records import EngineError, SamplingParams
+from rollpipe.engines.routing import Session
+from rollpipe.frontdoor.requests import ChatRequest, RequestError, parse_chat_request
+from rollpipe.frontdoor.responses import completion_body, models_body
+from rollpipe.frontdoor.session import AgentSession
+
+__all__ = ["FrontDoor"]
+
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def _error(error: RequestError) -> web.Response:
+    return web.json_response(error.body(), status=error.status)
+
+
+class FrontDoor:
+    """The OpenAI-compatible front door of ``engine`` (see the module doc).
+
+    Args:
+        engine: the engine the calls generate with (its runtime runs the server).
+        chat: a :class:`ChatFormat`, or a tokenizer (then built from ``settings``). Its
+            ``system_prompt`` is not used: the agent's messages are the conversation.
+        settings: :class:`EpisodeSettings`: default sampling (a request's own fields
+            win), ``max_length`` (a prompt plus ``max_tokens``), ``tool_parser``,
+            ``generation_timeout_s``, ``max_aborts``.
+        host / port: where to listen; ``port=0`` picks a free one (see :attr:`url`). A
+            host other than loopback needs ``allow_remote=True`` (keys still apply).
+        model_name: the id ``/v1/models`` lists (requests may name any model).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        chat: Any,
+        settings: EpisodeSettings | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        allow_remote: bool = False,
+        model_name: str = "rollpipe",
+    ) -> None:
+        if host not in LOOPBACK and not allow_remote:
+            raise ValueError(
+                f"FrontDoor.host={host!r} is not loopback; pass allow_remote=True to serve "
+                "other machines (every request still needs its session key)"
+            )
+        self.engine, self.settings = engine, settings or EpisodeSettings()
+        self.chat = chat if isinstance(chat, ChatFormat) else self.settings.chat_format(chat)
+        self.host, self.port, self.model_name = host, port, model_name
+        self.sessions: dict[str, AgentSession] = {}
+        self._ids = itertools.count()
+        self._runner: web.AppRunner | None = None
+        self._scope = engine.runtime.scope("FrontDoor")
+
+    # -- lifecycle (on the loop) ------------------------------------------------------
+    @property
+    def url(self) -> str:
+        """The OpenAI ``base_url`` (``http://host:port/v1``); set once started."""
+        if self._runner is None:
+            raise RuntimeError("FrontDoor.url: the server is not started; call start() first")
+        return f"http://{self.host}:{self.port}/v1"
+
+    async def start(self) -> str:
+        """Start serving on the running loop (the engine's runtime); the base url."""
+        if self._runner is None:
+            app = web.Application(client_max_size=64 * 2**20)
+            app.add_routes(
+                [
+                    web.get("/v1/models", self._models),
+                    web.post("/v1/chat/completions", self._chat),
+                ]
+            )
+            runner = web.AppRunner(app, handle_signals=False, access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, self.host, self.port)
+            await site.start()
+            self.port = runner.addresses[0][1]
+            self._runner = runner
+        return self.url
+
+    async def stop(self) -> None:
+        """Stop serving; open sessions are finished (their requests cancelled)."""
+        for key in list(self.sessions):
+            self._end(key)
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+
+    def __enter__(self) -> FrontDoor:
+        self._scope.call(self.start())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.engine.runtime.alive and not self._scope.closed:
+            self._scope.call(self.stop())
+        self._scope.close()
+
+    # -- sessions ---------------------------------------------------------------------
+    def open_session(
+        self,
+        spec: EpisodeSpec | None = None,
+        admit: Callable[[], Awaitable[None]] | None = None,
+    ) -> AgentSession:
+        """A new session with a fresh key (``spec`` names the episode in its rows)."""
+        if spec is None:
+            n = next(self._ids)
+            spec = EpisodeSpec(n, n, n, "agent")
+        key = "rp-" + secrets.token_urlsafe(24)
+        session = AgentSession(key, spec, self.chat, admit)
+        self.sessions[key] = session
+        return session
+
+    def _end(self, key: str) -> AgentSession:
+        session = self.sessions.pop(key, None)
+        if session is None:
+            raise KeyError(f"no open session with key {key[:6]}...; it finished already")
+        session.finished = True
+        for task in list(session.in_flight):
+            self.engine.runtime.call_soon(task.cancel)
+        return session
+
+    def finish(self, key: str, reward: float = 0.0, **fields: Any) -> Trajectory:
+        """End session ``key`` (its key then gets 401) and return its trajectory;
+        ``fields`` go to :meth:`AgentSession.trajectory`."""
+        return self._end(key).trajectory(reward, **fields)
+
+    # -- handlers (on the loop) -------------------------------------------------------
+    def _session(self, request: web.Request) -> AgentSession:
+        header = request.headers.get("Authorization", "")
+        scheme, _, key = header.partition(" ")
+        session = self.sessions.get(key.strip()) if scheme.lower() == "bearer" else None
+        if session is None or session.finished:
+            raise RequestError(
+                "unknown or finished session key: send 'Authorization: Bearer <key>' with "
+                "the key of an open session",
+                None,
+                401,
+                "authentication_error",
+                "invalid_api_key",
+            )
+        return session
+
+    async def _models(self, request: web.Request) -> web.Response:
+        try:
+            self._session(request)
+        except RequestError as error:
+            return _error(error)
+        return web.json_response(models_body(self.model_name))
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        try:
+            session = self._session(request)
+            try:
+                body = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise RequestError(f"the body is not valid JSON: {exc}", None) from exc
+            parsed = parse_chat_request(body)
+            task = asyncio.current_task()
+            assert task is not None
+            session.in_flight.add(task)
+            try:
+                async with session.lock:
+                    return await self._complete(session, parsed)
+            finally:
+                session.in_flight.discard(task)
+        except RequestError as error:
+            return _error(error)
+
+    async def _complete(self, session: AgentSession, request: ChatRequest) -> web.Response:
+        if session.finished:  # it ended while this request waited for the lock
+            raise RequestError("the session finished", None, 401, "authentication_error")
+        s = self.settings
+        prompt = session.prompt_for(request)
+        budget = s.max_length - len(prompt.ids)
+        if budget < 1:
+            raise RequestError(
+                f"the prompt has {len(prompt.ids)} tokens, max_length is {s.max_length}: "
+                "shorten the messages",
+                "messages",
+                code="context_length_exceeded",
+            )
+        params = self._params(session, request, budget)
+        routing = Session(session.spec.episode_id)
+        try:
+            gen = await _generate(
+                self.engine,
+                prompt.ids,
+                params,
+                session.admit,
+                s.max_aborts,
+                session.clock,
+                routing,
+                s.generation_timeout_s,
+            )
+        except (GenerationTimeoutError, EngineError) as exc:
+            session.failure = exc
+            raise RequestError(
+                f"the engine did not answer: {exc!r}", None, 500, "server_error"
+            ) from exc
+        action, message = session.record(request, prompt, gen)
+        body = completion_body(
+            completion_id=f"chatcmpl-{session.spec.episode_id}-{session.calls - 1}",
+            model=self.model_name,
+            message=message,
+            action=action,
+            gen=gen,
+            prompt_tokens=len(prompt.ids),
+            tokenizer=self.chat.tokenizer,
+            logprobs=request.logprobs,
+        )
+        return web.json_response(body)
+
+    def _params(self, session: AgentSession, request: ChatRequest, budget: int) -> SamplingParams:
+        base = self.settings.sampling
+        wanted = dict(request.sampling)
+        max_tokens = min(wanted.pop("max_tokens", base.max_tokens), budget)
+        stop = tuple(base.stop_token_ids)
+        eot = self.chat.eot_id
+        if eot is not None and eot not in stop and not base.ignore_eos:
+            stop = (*stop, eot)
+        spec = session.spec
+        seed = wanted.pop("seed", derive_seed(spec.seed, spec.episode_id, session.calls))
+        try:
+            return base.replace(
+                **wanted, max_tokens=max_tokens, seed=seed, stop_token_ids=stop, logprobs=True
+            )
+        except ValueError as exc:
+            raise RequestError(str(exc), None) from exc

@@ -1,0 +1,232 @@
+"""AgentSession: one agent's calls, recorded as exact token ids, row by row.
+
+Each request's messages are matched against the session's conversation (what earlier
+requests sent plus the assistant messages the server answered, normalised). If they
+extend it with the same tools, only the new messages are rendered and appended to the
+row's ids (a :class:`~rollpipe.agent.dialog.Dialog` render diff): the model's own tokens
+are kept, never re-tokenized. Otherwise (the agent edited its history, changed its
+tools, or the template re-rendered earlier turns) a new row of the same trajectory
+starts from a fresh render of the request, and ``prefix_breaks`` counts it.
+
+``trajectory()`` turns the rows into a :class:`~rollpipe.agent.records.Trajectory`. One
+row: a conversation-mode trajectory, as any chat env gives. Several rows: every turn
+holds its whole prompt (``history_window=0``), so ``step_rows`` gives exactly each
+request's tokens and ``trajectory_rows`` refuses it instead of joining unrelated rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import attrs
+
+from rollpipe.agent.actions import AssistantAction
+from rollpipe.agent.chat import ChatFormat
+from rollpipe.agent.dialog import Dialog
+from rollpipe.agent.env_caller import Clock
+from rollpipe.agent.messages import messages_text
+from rollpipe.agent.records import EndReason, EpisodeSpec, Trajectory, Turn
+from rollpipe.agent.tools import tool_set
+from rollpipe.engines.inputs import CheckedIds
+from rollpipe.engines.records import Generation
+from rollpipe.frontdoor.requests import ChatRequest, RequestError, normalise_message
+
+__all__ = ["AgentSession", "Prompt"]
+
+
+@attrs.frozen
+class Prompt:
+    """One request's engine prompt: all of ``ids``; ``added`` is what it appended to the
+    row (the whole prompt when ``new_row``); ``new`` the messages it added."""
+
+    ids: CheckedIds
+    added: list[int]
+    new_row: bool
+    new: tuple[dict[str, Any], ...]
+
+
+class AgentSession:
+    """The recorded calls of one episode's key (see the module doc).
+
+    ``admit`` (the pipeline's admission, awaited before each engine request) holds
+    requests while the pipeline is suspended. Requests of one session run one at a time.
+    """
+
+    def __init__(
+        self,
+        key: str,
+        spec: EpisodeSpec,
+        chat: ChatFormat,
+        admit: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self.key, self.spec, self.chat, self.admit = key, spec, chat, admit
+        self.rows: list[list[Turn]] = []
+        self.prefix_breaks = 0
+        self.calls = 0
+        self.clock = Clock()
+        self.lock = asyncio.Lock()
+        self.finished = False
+        self.failure: BaseException | None = None  # an engine error or request timeout
+        self.in_flight: set[asyncio.Task[Any]] = set()
+        self._dialog: Dialog | None = None
+        self._tools: tuple[dict[str, Any], ...] = ()
+        self._context = CheckedIds()  # the current row's ids so far
+
+    # -- prompts ------------------------------------------------------------------------
+    def prompt_for(self, request: ChatRequest) -> Prompt:
+        """The engine prompt of ``request`` (see the module doc); ``RequestError`` when the
+        template cannot render its messages."""
+        messages = list(request.messages)
+        dialog = self._dialog
+        if (
+            dialog is not None
+            and self.rows
+            and self.rows[-1]
+            and request.tools == self._tools
+            and len(messages) > len(dialog.messages)
+            and messages[: len(dialog.messages)] == dialog.messages
+        ):
+            new = messages[len(dialog.messages) :]
+            last = self.rows[-1][-1].response_ids
+            saved = (list(dialog.messages), dialog.text, dialog.prefix_breaks)
+            try:
+                added, broke = self._rendering(lambda: dialog.continuation(new, last))
+            finally:  # recorded only once the engine answered (record)
+                dialog.messages, dialog.text, dialog.prefix_breaks = saved
+            if not broke:
+                return Prompt(self._context.extended(added), added, False, tuple(new))
+        fresh = self._fresh_dialog(request)
+        ids = self._rendering(lambda: fresh.first_prompt(messages))
+        return Prompt(CheckedIds(ids), ids, bool(self.rows), tuple(messages))
+
+    def _fresh_dialog(self, request: ChatRequest) -> Dialog:
+        try:
+            tools = tool_set(list(request.tools))
+        except ValueError as exc:
+            raise RequestError(f"tools: {exc}", "tools") from exc
+        dialog = Dialog(self.chat, tools)
+        dialog.messages = []  # the agent's messages are the whole conversation
+        return dialog
+
+    @staticmethod
+    def _rendering(render: Callable[[], Any]) -> Any:
+        try:
+            return render()
+        except (TypeError, ValueError, KeyError) as exc:
+            raise RequestError(
+                f"the chat template could not render these messages: {exc}", "messages"
+            ) from exc
+        except Exception as exc:  # jinja's TemplateError and raise_exception(...)
+            if type(exc).__module__.startswith("jinja2"):
+                raise RequestError(
+                    f"the chat template refused these messages: {exc}", "messages"
+                ) from exc
+            raise
+
+    # -- recording ----------------------------------------------------------------------
+    def record(
+        self, request: ChatRequest, prompt: Prompt, gen: Generation
+    ) -> tuple[AssistantAction, dict[str, Any]]:
+        """Add the call to the session; the parsed response and its assistant message."""
+        if prompt.new_row or self._dialog is None:
+            self._dialog = self._fresh_dialog(request)
+            self._dialog.messages = list(request.messages)
+            self._tools = request.tools
+            self.rows.append([])
+            self.prefix_breaks += prompt.new_row
+        else:
+            self._dialog.messages.extend(prompt.new)
+        dialog = self._dialog
+        dialog.text = dialog.chat.render_messages(
+            dialog.messages, generation_prompt=True, tools=dialog.tools.schemas
+        )
+        if request.tool_choice == "none" or dialog.parser is None:
+            text = self.chat.decode_for_parsing(gen.token_ids)
+            action = AssistantAction.plain(text)
+            dialog.messages.append(action.message())
+        else:
+            action = dialog.act(gen.token_ids, self.calls)
+        message = normalise_message(dialog.messages[-1], "response")
+        dialog.messages[-1] = message
+        n = len(gen.token_ids)
+        turn = Turn(
+            prompt_ids=prompt.added,
+            response_ids=gen.token_ids,
+            logprobs=gen.logprobs if len(gen.logprobs) == n else (0.0,) * n,
+            versions=gen.versions,
+            reward=0.0,
+            finish_reason="length" if gen.finish_reason == "length" else "stop",
+            action_valid=None if not request.tools else not action.malformed,
+            action_text=action.text,
+            observation=messages_text([_shown(m) for m in prompt.new]),
+            prefix_break=prompt.new_row,
+        )
+        self.rows[-1].append(turn)
+        context = prompt.ids
+        context.extend_checked(gen.token_ids)
+        self._context = context
+        self.calls += 1
+        return action, message
+
+    # -- the result ---------------------------------------------------------------------
+    def trajectory(
+        self,
+        reward: float,
+        *,
+        success: bool = False,
+        end_reason: EndReason = "terminated",
+        error: BaseException | str | None = None,
+        error_call: str | None = None,
+        metrics: Mapping[str, float] | None = None,
+        env_id: int = 0,
+    ) -> Trajectory:
+        """The session's rows as a Trajectory; ``reward`` goes on the last turn."""
+        rows = [row for row in self.rows if row]
+        if len(rows) > 1:  # every turn its whole prompt (see the module doc)
+            turns = [t for row in rows for t in _whole_prompts(row)]
+        else:
+            turns = list(rows[0]) if rows else []
+        if turns:
+            turns[-1] = attrs.evolve(turns[-1], reward=reward)
+        text = None if error is None else str(error) if isinstance(error, str) else repr(error)
+        if text is not None:
+            text = (
+                f"{text[:500]} ({error_call or 'agent'}: episode {self.spec.episode_id}, "
+                f"seed {self.spec.seed}, call {self.calls})"
+            )
+        return Trajectory(
+            spec=self.spec,
+            env_id=env_id,
+            turns=tuple(turns),
+            score=reward if turns else 0.0,
+            success=success,
+            end_reason="error" if text is not None else end_reason,
+            error=text,
+            engine_time_s=self.clock.engine,
+            aborted_tokens=self.clock.aborted_tokens,
+            history_window=0 if len(rows) > 1 else None,
+            env_metrics={"prefix_breaks": float(self.prefix_breaks), **(metrics or {})},
+            error_type=None if text is None or isinstance(error, str) else type(error).__name__,
+            error_call=None if text is None else (error_call or "agent"),
+        )
+
+
+def _shown(message: Mapping[str, Any]) -> dict[str, str]:
+    """A message as ``messages_text`` shows it (tool results prefixed with the tool)."""
+    out = {"role": str(message["role"]), "content": str(message.get("content") or "")}
+    if message.get("name"):
+        out["name"] = str(message["name"])
+    return out
+
+
+def _whole_prompts(row: list[Turn]) -> list[Turn]:
+    """A row's turns, each holding its whole prompt (earlier turns' ids included)."""
+    out: list[Turn] = []
+    context: list[int] = []
+    for turn in row:
+        prompt = [*context, *turn.prompt_ids]
+        out.append(attrs.evolve(turn, prompt_ids=prompt))
+        context = [*prompt, *turn.response_ids]
+    return out
