@@ -226,3 +226,18 @@ def test_other_patterns_see_only_the_end_of_a_long_text() -> None:
     text = "[Left] " + "<" * (2 * REGEX_SCAN_CHARS) + " [Up]"
     assert parse_answer(text, r"\[(.*?)\]") == "Up"
     assert parse_answer("[Left]" + "x" * REGEX_SCAN_CHARS, r"\[(.*?)\]") is None
+
+
+def test_builtin_names_include_the_tasks_and_the_ecosystem_adapters() -> None:
+    """Registered by name without importing any ecosystem package (each is an extra)."""
+    import subprocess
+    import sys
+
+    from rollpipe.envs import available
+
+    names = {"frozenlake", "sokoban", "task", "calculator"}
+    names |= {"gem", "reasoning_gym", "textarena", "openenv"}
+    assert names <= set(available())
+    probe = "import sys, rollpipe.envs; print(sorted({'gem', 'reasoning_gym', 'textarena', 'openenv'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"  # a fresh process: importing rollpipe.envs loads none

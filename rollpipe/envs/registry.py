@@ -149,6 +149,10 @@ def takes_row(env: Any) -> bool:
 
 
 def _register_builtins() -> None:
+    from rollpipe.envs.adapters.gem import GemEnv
+    from rollpipe.envs.adapters.openenv import OpenEnvEnv
+    from rollpipe.envs.adapters.reasoning_gym import ReasoningGymEnv
+    from rollpipe.envs.adapters.textarena import TextArenaEnv
     from rollpipe.envs.calculator import calculator_env
     from rollpipe.envs.frozenlake import FrozenLake
     from rollpipe.envs.sokoban import Sokoban
@@ -158,6 +162,10 @@ def _register_builtins() -> None:
     register("sokoban", Sokoban)
     register("task", PromptTask)
     register("calculator", calculator_env)
+    register("gem", GemEnv)  # the ecosystems' adapters: each needs its extra when built
+    register("reasoning_gym", ReasoningGymEnv)
+    register("textarena", TextArenaEnv)
+    register("openenv", OpenEnvEnv)
 
 
 _register_builtins()
