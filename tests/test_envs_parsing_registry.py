@@ -238,6 +238,9 @@ def test_builtin_names_include_the_tasks_and_the_ecosystem_adapters() -> None:
     names = {"frozenlake", "sokoban", "task", "calculator"}
     names |= {"gem", "reasoning_gym", "textarena", "openenv"}
     assert names <= set(available())
-    probe = "import sys, rollpipe.envs; print(sorted({'gem', 'reasoning_gym', 'textarena', 'openenv'} & set(sys.modules)))"
+    probe = (
+        "import sys, rollpipe.envs; "
+        "print(sorted({'gem', 'reasoning_gym', 'textarena', 'openenv'} & set(sys.modules)))"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"  # a fresh process: importing rollpipe.envs loads none
