@@ -1,0 +1,185 @@
+"""The front door with scripted model text (the tools model's real tokenizer, template and
+hermes parser, the real ``openai`` client and server): tool calls reach the agent parsed,
+and an agent conversation that only appends gives rows equal to one fresh render."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tool_support import ScriptedEngine, add, call, tools_model_path
+
+from rollpipe.agent.episode import EpisodeSettings
+from rollpipe.agent.records import EpisodeSpec, Trajectory
+from rollpipe.agent.tools import tool_set
+from rollpipe.frontdoor import AgentEnv, AgentResult
+from rollpipe.runtime import Runtime
+
+EOT = "<|im_end|>"
+SETTINGS = EpisodeSettings(tool_parser="hermes", max_length=8192, sampling={"max_tokens": 200})
+TOOLS = [dict(s) for s in tool_set([add]).schemas]
+
+
+class LoopEngine(ScriptedEngine):
+    """The scripted engine on a runtime of its own, as the front door needs."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        super().__init__(tokenizer, [])
+        self.runtime = Runtime("scripted-engine")
+
+    def script(self, texts: list[str]) -> None:
+        self.texts, self.prompts, self.responses = list(texts), [], []
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[LoopEngine]:
+    from transformers import AutoTokenizer
+
+    e = LoopEngine(AutoTokenizer.from_pretrained(str(tools_model_path())))
+    yield e
+    e.runtime.close()
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[AgentEnv]:
+    sent: list[list[dict[str, Any]]] = []
+
+    async def agent(client: openai.AsyncOpenAI, plan: list[str]) -> AgentResult:
+        """Sends each step of ``plan``: a user message, or answers the model's calls."""
+        messages: list[dict[str, Any]] = []
+        sent.clear()
+        for i, step in enumerate(plan):
+            if step == "tools":
+                calls = messages[-1].get("tool_calls") or []
+                for c in calls:
+                    args = json.loads(c["function"]["arguments"])
+                    result = {"role": "tool", "tool_call_id": c["id"], "name": "add"}
+                    messages.append({**result, "content": str(args["a"] + args["b"])})
+                if not calls:
+                    messages.append({"role": "user", "content": f"no call at {i}"})
+            else:
+                messages.append({"role": "user", "content": step})
+            sent.append([dict(m) for m in messages])
+            reply = await client.chat.completions.create(
+                model="m",
+                messages=messages,  # type: ignore[arg-type]
+                tools=TOOLS,  # type: ignore[arg-type]
+            )
+            messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+        return AgentResult(1.0, success=True)
+
+    agent_env = AgentEnv(agent, task=lambda seed: [])
+    agent_env.sent = sent  # type: ignore[attr-defined]
+    yield agent_env
+    agent_env.close()
+
+
+def run(engine: LoopEngine, env: AgentEnv, plan: list[str], texts: list[str]) -> Trajectory:
+    engine.script(texts)
+    env.task = lambda seed: plan
+    chat = SETTINGS.chat_format(engine.tokenizer)
+    spec = EpisodeSpec(0, 0, 0, "agent")
+    traj = engine.runtime.call(env.run_episode(spec, engine, chat, SETTINGS))
+    assert traj.error is None, traj.error
+    return traj  # type: ignore[no-any-return]
+
+
+def test_tool_calls_reach_the_agent_parsed(engine: LoopEngine) -> None:
+    seen: list[Any] = []
+
+    async def agent(client: openai.AsyncOpenAI, task: str) -> float:
+        messages: list[Any] = [{"role": "user", "content": task}]
+        reply = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS)  # type: ignore[arg-type]
+        seen.append(reply)
+        message = reply.choices[0].message
+        messages.append(message)
+        for c in message.tool_calls or []:
+            args = json.loads(c.function.arguments)  # type: ignore[union-attr]
+            result = str(add(**args))
+            messages.append(
+                {"role": "tool", "tool_call_id": c.id, "name": "add", "content": result}
+            )
+        reply = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS)  # type: ignore[arg-type]
+        seen.append(reply)
+        return float("5" in (reply.choices[0].message.content or ""))
+
+    engine.script([call("add", a=2, b=3) + EOT, "It is 5." + EOT])
+    chat = SETTINGS.chat_format(engine.tokenizer)
+    env = AgentEnv(agent, task=lambda seed: "What is 2 + 3?")
+    try:
+        traj = engine.runtime.call(env.run_episode(EpisodeSpec(0, 0, 0), engine, chat, SETTINGS))
+    finally:
+        env.close()
+    first, second = seen
+    assert first.choices[0].finish_reason == "tool_calls"
+    (tool_call,) = first.choices[0].message.tool_calls
+    assert tool_call.function.name == "add" and json.loads(tool_call.function.arguments) == {
+        "a": 2,
+        "b": 3,
+    }
+    assert (
+        second.choices[0].message.content == "It is 5."
+        and second.choices[0].finish_reason == "stop"
+    )
+    assert traj.error is None and traj.score == 1.0 and traj.prefix_breaks == 0
+    assert [t.action_valid for t in traj.turns] == [True, True]
+    assert traj.turns[1].observation == "[tool add] 5"
+    context: list[int] = []
+    for turn, prompt in zip(traj.turns, engine.prompts, strict=True):
+        context = [*context, *turn.prompt_ids]
+        assert context == prompt
+        context = [*context, *turn.response_ids]
+
+
+def _fresh_render(engine: LoopEngine, messages: list[dict[str, Any]]) -> list[int]:
+    chat = SETTINGS.chat_format(engine.tokenizer)
+    return chat.encode(chat.render_messages(messages, generation_prompt=True, tools=TOOLS))
+
+
+WORDS = st.text(alphabet="abcdefghij XYZ.,?!0123456789", min_size=1, max_size=30)
+
+
+@st.composite
+def conversations(draw: Any) -> tuple[list[str], list[str]]:
+    """An agent's plan (user messages, or "tools": answer the calls) and the model's text
+    per call (a call, two calls, or an answer; some cut before the end-of-turn token)."""
+    n = draw(st.integers(1, 5))
+    plan, texts = [], []
+    for i in range(n):
+        plan.append(draw(WORDS) if i == 0 or draw(st.booleans()) else "tools")
+        kind = draw(st.sampled_from(["answer", "call", "two calls", "cut"]))
+        a, b = draw(st.integers(0, 99)), draw(st.integers(0, 99))
+        if kind == "answer":
+            texts.append(draw(WORDS) + EOT)
+        elif kind == "call":
+            texts.append(call("add", a=a, b=b) + EOT)
+        elif kind == "two calls":
+            texts.append(call("add", a=a, b=b) + "\n" + call("add", a=b, b=a) + EOT)
+        else:
+            texts.append(draw(WORDS))  # no end-of-turn token: cut at max_tokens
+    return plan, texts
+
+
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(conversations())
+def test_an_append_only_agent_gives_a_fresh_render(
+    engine: LoopEngine, env: AgentEnv, conversation: tuple[list[str], list[str]]
+) -> None:
+    """Each call's prompt is the recorded row so far, and equals a fresh render of the
+    messages that call sent (the agent only appends; the template is append-only)."""
+    plan, texts = conversation
+    traj = run(engine, env, plan, texts)
+    assert traj.prefix_breaks == 0 and len(traj.turns) == len(plan)
+    context: list[int] = []
+    for turn, prompt, messages in zip(traj.turns, engine.prompts, env.sent, strict=True):  # type: ignore[attr-defined]
+        context = [*context, *turn.prompt_ids]
+        assert context == prompt
+        assert context == _fresh_render(engine, messages)
+        context = [*context, *turn.response_ids]
