@@ -1,0 +1,116 @@
+"""Agent episodes through the whole pipeline on the real vLLM engine: groups and batches
+work unchanged, each row is exactly one engine request's ids, and a suspend while agents
+are mid-call loses and duplicates nothing."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+from tool_support import add, tools_model_path
+from waiting import wait_until
+
+from rollpipe.agent.episode import EpisodeSettings
+from rollpipe.agent.tools import tool_set
+from rollpipe.config import PipelineConfig
+from rollpipe.envs import register
+from rollpipe.frontdoor import AgentEnv
+from rollpipe.pipeline import RolloutPipeline
+
+TOOLS = [dict(s) for s in tool_set([add]).schemas]
+EPISODE = EpisodeSettings(tool_parser="hermes", max_length=1024, sampling={"max_tokens": 16})
+
+
+async def agent(client: openai.AsyncOpenAI, task: str) -> float:
+    """Three calls, each answering the last; the reward is the length of the last reply."""
+    messages: list[Any] = [{"role": "user", "content": task}]
+    reply = None
+    for i in range(3):
+        reply = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+        message = reply.choices[0].message
+        messages.append(message)
+        for c in message.tool_calls or []:
+            messages.append({"role": "tool", "tool_call_id": c.id, "name": "add", "content": "5"})
+        if not message.tool_calls:
+            messages.append({"role": "user", "content": f"And then {i}?"})
+    assert reply is not None
+    return float(len(reply.choices[0].message.content or "") % 3)
+
+
+def make_agent_env() -> AgentEnv:
+    return AgentEnv(agent, task=lambda seed: f"What is {seed % 50} + 3?")
+
+
+register("frontdoor-test-agent", make_agent_env, overwrite=True)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Any]:
+    """The tiny tools model on vLLM; every request, its answer and the requests in
+    flight recorded at the engine boundary."""
+    from rollpipe.engines.vllm import VLLMEngine
+
+    with VLLMEngine(tools_model_path(), kv_cache_space_gib=1, max_model_len=2048, seed=0) as e:
+        generate = e.generate
+        e.seen, e.in_flight = [], [0]
+
+        async def recorded(prompt_ids: Any, params: Any) -> Any:
+            e.in_flight[0] += 1
+            try:
+                gen = await generate(prompt_ids, params)
+            finally:
+                e.in_flight[0] -= 1
+            e.seen.append((tuple(prompt_ids), gen))
+            return gen
+
+        e.generate = recorded
+        yield e
+
+
+def config(**kw: Any) -> PipelineConfig:
+    return PipelineConfig(
+        envs="frontdoor-test-agent", episode=EPISODE, group_size=2, batch_size=4, **kw
+    )
+
+
+def assert_rows_are_engine_requests(batch: Any, engine: Any) -> None:
+    """Each row is one finished request's prompt + response; no trajectory twice."""
+    answered = {
+        (*prompt, *gen.token_ids) for prompt, gen in engine.seen if gen.finish_reason != "abort"
+    }
+    ids, mask = batch.batch["input_ids"], batch.batch["attention_mask"]
+    for i in range(len(batch)):
+        row = tuple(ids[i, : int(mask[i].sum())].tolist())
+        assert row in answered
+    traj_ids = batch.batch["traj_id"].tolist()
+    assert len(set(traj_ids)) == len(traj_ids)
+
+
+def test_agent_episodes_make_batches(engine: Any) -> None:
+    engine.seen.clear()
+    with RolloutPipeline(config(), engine, tools_model_path()) as pipe:
+        batch = pipe.get_batch()
+    assert len(batch) == 4
+    assert set(batch.non_tensor_batch["end_reasons"]) == {"terminated"}
+    uids = list(batch.non_tensor_batch["uid"])
+    assert len(set(uids)) == 2 and all(uids.count(u) == 2 for u in uids)  # two groups
+    assert_rows_are_engine_requests(batch, engine)
+
+
+def test_a_suspend_while_agents_are_mid_call_loses_nothing(engine: Any) -> None:
+    engine.seen.clear()
+    with RolloutPipeline(config(), engine, tools_model_path()) as pipe:
+        batches: list[Any] = []
+        fetch = threading.Thread(target=lambda: batches.append(pipe.get_batch()))
+        fetch.start()
+        wait_until(lambda: engine.in_flight[0] > 0 and len(engine.seen) >= 2, 60, "agents mid-call")
+        pipe.suspend("abort")
+        assert engine.is_paused
+        pipe.resume()
+        fetch.join(120)
+        assert not fetch.is_alive() and batches and len(batches[0]) == 4
+    assert set(batches[0].non_tensor_batch["end_reasons"]) == {"terminated"}
+    assert_rows_are_engine_requests(batches[0], engine)
