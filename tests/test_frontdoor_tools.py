@@ -129,6 +129,7 @@ def test_tool_calls_reach_the_agent_parsed(engine: LoopEngine) -> None:
     assert traj.error is None and traj.score == 1.0 and traj.prefix_breaks == 0
     assert [t.action_valid for t in traj.turns] == [True, True]
     assert traj.turns[1].observation == "[tool add] 5"
+    assert traj.env_metrics["tool/calls"] == 1 and traj.env_metrics["tool/malformed"] == 0
     context: list[int] = []
     for turn, prompt in zip(traj.turns, engine.prompts, strict=True):
         context = [*context, *turn.prompt_ids]

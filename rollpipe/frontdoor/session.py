@@ -65,6 +65,8 @@ class AgentSession:
         self.rows: list[list[Turn]] = []
         self.prefix_breaks = 0
         self.calls = 0
+        self.tool_calls = 0  # calls the model made (``tool/calls``), and malformed ones
+        self.malformed = 0
         self.clock = Clock()
         self.lock = asyncio.Lock()
         self.finished = False
@@ -164,6 +166,8 @@ class AgentSession:
             prefix_break=prompt.new_row,
         )
         self.rows[-1].append(turn)
+        self.tool_calls += len(action.tool_calls)
+        self.malformed += action.malformed
         context = prompt.ids
         context.extend_checked(gen.token_ids)
         self._context = context
@@ -207,7 +211,12 @@ class AgentSession:
             engine_time_s=self.clock.engine,
             aborted_tokens=self.clock.aborted_tokens,
             history_window=0 if len(rows) > 1 else None,
-            env_metrics={"prefix_breaks": float(self.prefix_breaks), **(metrics or {})},
+            env_metrics={
+                "prefix_breaks": float(self.prefix_breaks),
+                "tool/calls": float(self.tool_calls),
+                "tool/malformed": float(self.malformed),
+                **(metrics or {}),
+            },
             error_type=None if text is None or isinstance(error, str) else type(error).__name__,
             error_call=None if text is None else (error_call or "agent"),
         )
