@@ -175,7 +175,7 @@ def test_a_bad_or_finished_key_gets_401_and_touches_nothing(engine: Any, chat: A
         ),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"chat_template": "{{ 7 * 7 }}"}, "chat_template"),
-        ({"stream": True}, "stream"),
+        ({"stream": "yes"}, "stream"),
         ({"max_tokens": 5000}, "messages"),  # fine alone; with a long prompt over budget
     ],
 )

@@ -184,3 +184,40 @@ def test_an_append_only_agent_gives_a_fresh_render(
         assert context == prompt
         assert context == _fresh_render(engine, messages)
         context = [*context, *turn.response_ids]
+
+
+def test_a_streamed_call_gives_the_same_message_in_chunks(engine: LoopEngine) -> None:
+    got: dict[str, Any] = {"content": "", "calls": [], "finish": None, "usage": None}
+
+    async def agent(client: openai.AsyncOpenAI, task: str) -> float:
+        messages: list[Any] = [{"role": "user", "content": task}]
+        stream = await client.chat.completions.create(
+            model="m",
+            messages=messages,
+            tools=TOOLS,  # type: ignore[arg-type]
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        async for chunk in stream:
+            if chunk.usage is not None:
+                got["usage"] = chunk.usage.completion_tokens
+            for choice in chunk.choices:
+                got["content"] += choice.delta.content or ""
+                got["calls"] += [c.function.name for c in choice.delta.tool_calls or []]
+                got["finish"] = choice.finish_reason or got["finish"]
+        return 1.0
+
+    engine.script(["Let me add." + call("add", a=1, b=2) + EOT])
+    chat = SETTINGS.chat_format(engine.tokenizer)
+    env = AgentEnv(agent, task=lambda seed: "What is 1 + 2?")
+    try:
+        traj = engine.runtime.call(env.run_episode(EpisodeSpec(0, 0, 0), engine, chat, SETTINGS))
+    finally:
+        env.close()
+    assert traj.error is None and len(traj.turns) == 1
+    assert got == {
+        "content": "Let me add.",
+        "calls": ["add"],
+        "finish": "tool_calls",
+        "usage": len(traj.turns[0].response_ids),
+    }

@@ -72,7 +72,8 @@ class ChatRequest:
     tool_choice: str = "auto"
     sampling: Mapping[str, Any] = attrs.field(factory=dict)
     logprobs: bool = False
-    top_logprobs: int = 0
+    stream: bool = False
+    include_usage: bool = False
 
 
 def _text(content: Any, where: str) -> str:
@@ -208,8 +209,6 @@ def _check_unsupported(body: Mapping[str, Any]) -> None:
             raise RequestError(f"{key} is not supported; leave it out or send 0", key)
     if body.get("n") not in (None, 1):
         raise RequestError(f"n={body.get('n')!r}: one choice per request; send n=1", "n")
-    if body.get("stream"):
-        raise RequestError("stream=true is not supported yet; send stream=false", "stream")
     if body.get("stop"):
         raise RequestError(
             "stop strings are not supported; the turn ends at the model's "
@@ -250,10 +249,17 @@ def parse_chat_request(body: Any) -> ChatRequest:
     logprobs = body.get("logprobs", False)
     if not isinstance(logprobs, bool):
         raise RequestError(f"logprobs must be true or false, got {logprobs!r}", "logprobs")
+    stream, options = body.get("stream") or False, body.get("stream_options") or {}
+    if not isinstance(stream, bool):
+        raise RequestError(f"stream must be true or false, got {stream!r}", "stream")
+    if not isinstance(options, Mapping):
+        raise RequestError("stream_options must be an object", "stream_options")
     return ChatRequest(
         messages=checked,
         tools=tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(tools)),
         tool_choice=choice,
         sampling=_sampling(body),
         logprobs=logprobs,
+        stream=stream,
+        include_usage=bool(options.get("include_usage", False)),
     )

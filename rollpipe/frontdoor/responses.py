@@ -9,7 +9,7 @@ from typing import Any
 from rollpipe.agent.actions import AssistantAction
 from rollpipe.engines.records import Generation
 
-__all__ = ["completion_body", "models_body"]
+__all__ = ["completion_body", "models_body", "stream_chunks"]
 
 
 def models_body(name: str) -> dict[str, Any]:
@@ -74,3 +74,22 @@ def completion_body(
         "choices": [choice],
         "usage": usage,
     }
+
+
+def stream_chunks(body: Mapping[str, Any], include_usage: bool) -> list[dict[str, Any]]:
+    """A completion as ``chat.completion.chunk``s: the message in one delta (tool calls
+    with their ``index``), then the finish reason, then usage if asked."""
+    choice = body["choices"][0]
+    message = choice["message"]
+    delta: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
+    if message.get("tool_calls"):
+        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+    if message.get("reasoning_content") is not None:
+        delta["reasoning_content"] = message["reasoning_content"]
+    head = {k: body[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    first = {"index": 0, "delta": delta, "logprobs": choice["logprobs"], "finish_reason": None}
+    last = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}
+    chunks = [{**head, "choices": [first]}, {**head, "choices": [last]}]
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": body["usage"]})
+    return chunks

@@ -37,7 +37,7 @@ from rollpipe.engines.protocol import Engine
 from rollpipe.engines.records import EngineError, SamplingParams
 from rollpipe.engines.routing import Session
 from rollpipe.frontdoor.requests import ChatRequest, RequestError, parse_chat_request
-from rollpipe.frontdoor.responses import completion_body, models_body
+from rollpipe.frontdoor.responses import completion_body, models_body, stream_chunks
 from rollpipe.frontdoor.session import AgentSession
 
 __all__ = ["FrontDoor"]
@@ -47,6 +47,17 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 def _error(error: RequestError) -> web.Response:
     return web.json_response(error.body(), status=error.status)
+
+
+async def _stream(request: web.Request, chunks: list[dict[str, Any]]) -> web.StreamResponse:
+    """``chunks`` as server-sent events, then ``data: [DONE]``."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for chunk in chunks:
+        await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
 
 
 class FrontDoor:
@@ -183,7 +194,7 @@ class FrontDoor:
             return _error(error)
         return web.json_response(models_body(self.model_name))
 
-    async def _chat(self, request: web.Request) -> web.Response:
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
         try:
             session = self._session(request)
             try:
@@ -196,13 +207,16 @@ class FrontDoor:
             session.in_flight.add(task)
             try:
                 async with session.lock:
-                    return await self._complete(session, parsed)
+                    body = await self._complete(session, parsed)
             finally:
                 session.in_flight.discard(task)
         except RequestError as error:
             return _error(error)
+        if not parsed.stream:
+            return web.json_response(body)
+        return await _stream(request, stream_chunks(body, parsed.include_usage))
 
-    async def _complete(self, session: AgentSession, request: ChatRequest) -> web.Response:
+    async def _complete(self, session: AgentSession, request: ChatRequest) -> dict[str, Any]:
         if session.finished:  # it ended while this request waited for the lock
             raise RequestError("the session finished", None, 401, "authentication_error")
         s = self.settings
@@ -234,7 +248,7 @@ class FrontDoor:
                 f"the engine did not answer: {exc!r}", None, 500, "server_error"
             ) from exc
         action, message = session.record(request, prompt, gen)
-        body = completion_body(
+        return completion_body(
             completion_id=f"chatcmpl-{session.spec.episode_id}-{session.calls - 1}",
             model=self.model_name,
             message=message,
@@ -244,7 +258,6 @@ class FrontDoor:
             tokenizer=self.chat.tokenizer,
             logprobs=request.logprobs,
         )
-        return web.json_response(body)
 
     def _params(self, session: AgentSession, request: ChatRequest, budget: int) -> SamplingParams:
         base = self.settings.sampling
