@@ -282,3 +282,22 @@ def test_messages_dumped_by_the_client_compare_as_sent(engine: Any, chat: Any) -
     assert traj.error is None and traj.prefix_breaks == 0
     assert_one_exact_row(traj, engine.seen)
     assert json.loads(json.dumps(traj.to_state()["env_metrics"]))["prefix_breaks"] == 0.0
+
+
+def test_a_session_open_past_its_limit_ends_as_errored(engine: Any, chat: Any) -> None:
+    from waiting import wait_until
+
+    with FrontDoor(engine, chat, SETTINGS) as door:
+        session = door.open_session(timeout_s=0.5)
+        wait_until(lambda: session.key not in door.sessions, 30, "the session's time limit")
+
+        async def ask() -> Any:
+            async with openai.AsyncOpenAI(base_url=door.url, api_key=session.key) as c:
+                hi = [{"role": "user", "content": "hi"}]
+                return await c.chat.completions.create(model="m", messages=hi)  # type: ignore[arg-type]
+
+        with pytest.raises(openai.AuthenticationError):
+            asyncio.run(ask())
+        traj = door.finish(session.key, reward=1.0)
+        assert traj.end_reason == "error" and traj.error_type == "SessionTimeoutError"
+        assert traj.error_call == "session" and engine.seen == []

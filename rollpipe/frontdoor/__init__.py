@@ -6,7 +6,14 @@ as an episode of the pipeline. See docs/agents.md.
 """
 
 from rollpipe.frontdoor.agent import AgentEnv, AgentResult, AgentTimeoutError
-from rollpipe.frontdoor.server import FrontDoor
+from rollpipe.frontdoor.server import FrontDoor, SessionTimeoutError
 from rollpipe.frontdoor.session import AgentSession
 
-__all__ = ["AgentEnv", "AgentResult", "AgentSession", "AgentTimeoutError", "FrontDoor"]
+__all__ = [
+    "AgentEnv",
+    "AgentResult",
+    "AgentSession",
+    "AgentTimeoutError",
+    "FrontDoor",
+    "SessionTimeoutError",
+]

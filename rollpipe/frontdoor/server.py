@@ -40,9 +40,13 @@ from rollpipe.frontdoor.requests import ChatRequest, RequestError, parse_chat_re
 from rollpipe.frontdoor.responses import completion_body, models_body, stream_chunks
 from rollpipe.frontdoor.session import AgentSession
 
-__all__ = ["FrontDoor"]
+__all__ = ["FrontDoor", "SessionTimeoutError"]
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+class SessionTimeoutError(TimeoutError):
+    """A session was still open past its ``timeout_s``."""
 
 
 def _error(error: RequestError) -> web.Response:
@@ -95,6 +99,7 @@ class FrontDoor:
         self.chat = chat if isinstance(chat, ChatFormat) else self.settings.chat_format(chat)
         self.host, self.port, self.model_name = host, port, model_name
         self.sessions: dict[str, AgentSession] = {}
+        self._expired: dict[str, AgentSession] = {}  # ended by their time limit, not finished
         self._ids = itertools.count()
         self._runner: web.AppRunner | None = None
         self._scope = engine.runtime.scope("FrontDoor")
@@ -147,15 +152,35 @@ class FrontDoor:
         self,
         spec: EpisodeSpec | None = None,
         admit: Callable[[], Awaitable[None]] | None = None,
+        *,
+        timeout_s: float | None = None,
     ) -> AgentSession:
-        """A new session with a fresh key (``spec`` names the episode in its rows)."""
+        """A new session with a fresh key (``spec`` names the episode in its rows).
+
+        ``timeout_s``: a session still open that long later ends (its key gets 401, its
+        requests in flight are cancelled) and :meth:`finish` gives an errored trajectory.
+        """
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"open_session: timeout_s must be > 0 or None, got {timeout_s!r}")
         if spec is None:
             n = next(self._ids)
             spec = EpisodeSpec(n, n, n, "agent")
         key = "rp-" + secrets.token_urlsafe(24)
         session = AgentSession(key, spec, self.chat, admit)
         self.sessions[key] = session
+        if timeout_s is not None:
+            self.engine.runtime.call_soon(self._expire_after, key, timeout_s)
         return session
+
+    def _expire_after(self, key: str, timeout_s: float) -> None:
+        self.engine.runtime.loop.call_later(timeout_s, self._expire, key, timeout_s)
+
+    def _expire(self, key: str, timeout_s: float) -> None:
+        if key in self.sessions:
+            session = self._end(key)
+            limit = SessionTimeoutError(f"the session was open past its limit of {timeout_s} s")
+            session.failure = session.failure or limit
+            self._expired[key] = session
 
     def _end(self, key: str) -> AgentSession:
         session = self.sessions.pop(key, None)
@@ -169,7 +194,11 @@ class FrontDoor:
     def finish(self, key: str, reward: float = 0.0, **fields: Any) -> Trajectory:
         """End session ``key`` (its key then gets 401) and return its trajectory;
         ``fields`` go to :meth:`AgentSession.trajectory`."""
-        return self._end(key).trajectory(reward, **fields)
+        session = self._expired.pop(key, None) or self._end(key)
+        if session.failure is not None:
+            fields.setdefault("error", session.failure)
+            fields.setdefault("error_call", "session")
+        return session.trajectory(reward, **fields)
 
     # -- handlers (on the loop) -------------------------------------------------------
     def _session(self, request: web.Request) -> AgentSession:
