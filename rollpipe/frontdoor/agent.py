@@ -159,6 +159,7 @@ class AgentEnv:
         if self.door is None or self.door.engine is not engine:
             if self.door is not None:
                 await self.door.stop()
+                self.door.close()
             self.door = FrontDoor(engine, chat, settings)
             await self.door.start()
         return self.door
@@ -166,12 +167,5 @@ class AgentEnv:
     def close(self) -> None:
         """Stop the front door (from any thread; the Rollout calls it when it closes)."""
         door, self.door = self.door, None
-        if door is None or not door.engine.runtime.alive:
-            return
-        if door.engine.runtime.in_loop():
-            door.engine.runtime.loop.create_task(door.stop())
-        else:
-            try:
-                door.engine.runtime.submit(door.stop()).result(5.0)
-            except Exception:  # a closing runtime: its loop stops and frees the socket
-                return
+        if door is not None:
+            door.close()

@@ -20,6 +20,7 @@ Examples:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import secrets
@@ -43,6 +44,7 @@ from rollpipe.frontdoor.session import AgentSession
 __all__ = ["FrontDoor", "SessionTimeoutError"]
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
+STOP_WAIT_S = 1.0  # how long stop() waits for requests still being answered
 
 
 class SessionTimeoutError(TimeoutError):
@@ -122,7 +124,9 @@ class FrontDoor:
                     web.post("/v1/chat/completions", self._chat),
                 ]
             )
-            runner = web.AppRunner(app, handle_signals=False, access_log=None)
+            runner = web.AppRunner(
+                app, handle_signals=False, access_log=None, shutdown_timeout=STOP_WAIT_S
+            )
             await runner.setup()
             site = web.TCPSite(runner, self.host, self.port)
             await site.start()
@@ -138,14 +142,24 @@ class FrontDoor:
         if runner is not None:
             await runner.cleanup()
 
+    def close(self) -> None:
+        """Stop serving (waiting at most ``STOP_WAIT_S`` off the loop); idempotent, from
+        any thread. On the loop's own thread the stop is scheduled, not awaited."""
+        runtime = self.engine.runtime
+        if runtime.alive and not self._scope.closed:
+            if runtime.in_loop():
+                runtime.loop.create_task(self.stop())
+            else:
+                with contextlib.suppress(Exception):  # a loop that is busy or closing
+                    self._scope.submit(self.stop()).result(STOP_WAIT_S + 1.0)
+        self._scope.close()
+
     def __enter__(self) -> FrontDoor:
         self._scope.call(self.start())
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.engine.runtime.alive and not self._scope.closed:
-            self._scope.call(self.stop())
-        self._scope.close()
+        self.close()
 
     # -- sessions ---------------------------------------------------------------------
     def open_session(
