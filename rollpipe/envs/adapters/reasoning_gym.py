@@ -32,6 +32,9 @@ from rollpipe.envs.base import EnvStateError, Info, StepResult, check_seed
 DEFAULT_INSTRUCTION = "Give your final answer as <answer>your answer</answer>."
 """Appended to each question: reasoning-gym's questions do not say how to answer."""
 
+SYSTEM_PROMPT = "Solve the task. Think briefly, then give your final answer in the requested form."
+"""The env's own system prompt (rollpipe's default is written for text games)."""
+
 
 def _import_reasoning_gym() -> Any:
     try:
@@ -60,6 +63,8 @@ class ReasoningGymEnv:
     ``min_terms=2``), checked when the env is built. Config values must be hashable
     (numbers, strings, tuples): rollpipe keys its env pool on them.
     """
+
+    system_prompt: str | None = SYSTEM_PROMPT
 
     def __init__(
         self,
