@@ -114,3 +114,29 @@ def test_a_suspend_while_agents_are_mid_call_loses_nothing(engine: Any) -> None:
         assert not fetch.is_alive() and batches and len(batches[0]) == 4
     assert set(batches[0].non_tensor_batch["end_reasons"]) == {"terminated"}
     assert_rows_are_engine_requests(batches[0], engine)
+
+
+def test_a_dataset_row_is_the_agents_task(engine: Any) -> None:
+    tasks: list[Any] = []
+
+    async def echo(client: openai.AsyncOpenAI, row: dict[str, Any]) -> float:
+        tasks.append(row)
+        hi = [{"role": "user", "content": row["question"]}]
+        await client.chat.completions.create(model="m", messages=hi)  # type: ignore[arg-type]
+        return 1.0
+
+    register("frontdoor-test-rows", lambda: AgentEnv(echo), overwrite=True)
+    rows = [{"question": f"What is {i} + 1?"} for i in range(3)]
+    cfg = PipelineConfig(
+        envs="frontdoor-test-rows",
+        dataset={"rows": rows},
+        episode=EPISODE,
+        group_size=2,
+        batch_size=4,
+    )
+    with RolloutPipeline(cfg, engine, tools_model_path()) as pipe:
+        batch = pipe.get_batch()
+    assert len(batch) == 4 and set(batch.non_tensor_batch["end_reasons"]) == {"terminated"}
+    assert all(t in rows for t in tasks)
+    indices = batch.non_tensor_batch["row_index"].tolist()
+    assert set(indices) <= {0, 1, 2} and all(indices.count(i) == 2 for i in indices)

@@ -105,6 +105,15 @@ class AgentEnv:
         self.client_options = dict(client_options or {})
         self.door: FrontDoor | None = None
 
+    def reset(self, seed: int, row: Any = None) -> Any:
+        """Not a text env: the Rollout runs an AgentEnv through :meth:`run_episode`. The
+        method exists so that dataset configs, which check ``reset(seed, row=...)``,
+        accept it (the agent then gets the row as its task)."""
+        raise TypeError(
+            "AgentEnv is not stepped like a text env: run it with a Rollout (or call "
+            "run_episode); its agent gets the task"
+        )
+
     def task_for(self, spec: EpisodeSpec) -> Any:
         """The task of ``spec``'s episode."""
         if self.task is not None:
