@@ -23,16 +23,15 @@ __all__ = ["ChatRequest", "RequestError", "normalise_message", "parse_chat_reque
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TOOL_CHOICES = ("auto", "none")
-REFUSED = (
+RENDERING = (
     "chat_template",
     "chat_template_kwargs",
     "add_generation_prompt",
     "continue_final_message",
     "echo",
-    "guided_json",
-    "guided_regex",
-    "response_format",
 )
+"""Fields that would change how a request is rendered: refused."""
+UNSUPPORTED = ("response_format", "guided_json", "guided_regex", "logit_bias", "functions")
 UNSUPPORTED_NONZERO = ("presence_penalty", "frequency_penalty")
 
 
@@ -48,13 +47,8 @@ class RequestError(ValueError):
         code: str | None = None,
     ) -> None:
         super().__init__(message)
-        self.message, self.param, self.status, self.kind, self.code = (
-            message,
-            param,
-            status,
-            kind,
-            code,
-        )
+        self.message, self.param, self.status = message, param, status
+        self.kind, self.code = kind, code
 
     def body(self) -> dict[str, Any]:
         """OpenAI's error JSON."""
@@ -197,13 +191,16 @@ def _sampling(body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _check_unsupported(body: Mapping[str, Any]) -> None:
-    for key in REFUSED:
+    for key in RENDERING:
         if body.get(key) is not None:
             raise RequestError(
                 f"{key} is not accepted: this server renders every request "
                 "with the model's own chat template; leave it out",
                 key,
             )
+    for key in UNSUPPORTED:
+        if body.get(key) is not None:
+            raise RequestError(f"{key} is not supported by this server; leave it out", key)
     for key in UNSUPPORTED_NONZERO:
         if body.get(key) not in (None, 0, 0.0):
             raise RequestError(f"{key} is not supported; leave it out or send 0", key)
