@@ -52,9 +52,11 @@ def evaluate(
     temperature: float = 0.0,
     max_tokens: int = 24,
     concurrency: int = 64,
+    tool_parser: str | None = None,
 ) -> Evaluation:
     """Play ``episodes`` held-out episodes with ``engine`` through a RolloutPipeline
-    (greedy unless ``temperature > 0``) and return their success rate and mean score."""
+    (greedy unless ``temperature > 0``) and return their success rate and mean score.
+    ``tool_parser``: the model's vLLM tool parser, for tool envs (``"hermes"``)."""
     from rollpipe.pipeline import RolloutPipeline
 
     config = PipelineConfig(
@@ -65,6 +67,7 @@ def evaluate(
         seed=seed,
         max_turns=max_turns,
         concurrency=concurrency,
+        tool_parser=tool_parser,
         sampling={"max_tokens": max_tokens, "temperature": temperature},
     )
     with RolloutPipeline(config, engine, tokenizer) as pipe:

@@ -27,8 +27,8 @@ from rollpipe.config import PipelineConfig
 from rollpipe.data.proto import DataProto
 from rollpipe.grpo import group_advantages, grpo_step, turn_advantages
 from rollpipe.pipeline import RolloutPipeline
-from rollpipe.training.evaluate import EVAL_MAX_TURNS, evaluate
-from rollpipe.training.warm_start import warm_start_model_path
+from rollpipe.training.evaluate import evaluate
+from rollpipe.training.train_tasks import train_task
 
 __all__ = ["HEADER", "gigpo_advantages", "plot_curve", "train_grpo"]
 
@@ -68,7 +68,12 @@ def _moving_mean(values: list[float], window: int = 10) -> list[float]:
     ]
 
 
-def plot_curve(history: list[dict[str, Any]], evals: list[dict[str, Any]], path: Path) -> bool:
+def plot_curve(
+    history: list[dict[str, Any]],
+    evals: list[dict[str, Any]],
+    path: Path,
+    title: str = "FrozenLake",
+) -> bool:
     """Success and score per step, held-out evaluations marked; False without matplotlib."""
     try:
         import matplotlib
@@ -111,7 +116,7 @@ def plot_curve(history: list[dict[str, Any]], evals: list[dict[str, Any]], path:
     bottom.set_ylabel("mean episode score")
     bottom.legend(loc="upper left", fontsize="small")
     bottom.grid(alpha=0.3)
-    fig.suptitle("GRPO on FrozenLake from the warm start (CPU)")
+    fig.suptitle(f"GRPO on {title} from the warm start (CPU)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -124,7 +129,8 @@ def train_grpo(
     group_size: int = 8,
     lr: float = 2e-4,
     seed: int = 0,
-    max_turns: int = EVAL_MAX_TURNS,
+    env: str = "frozenlake",
+    max_turns: int | None = None,
     loss_agg_mode: str = "token-mean",
     turn_weight: float = 1.0,
     warmup: int = 5,
@@ -141,13 +147,17 @@ def train_grpo(
 
     ``engine`` (a running engine holding the policy's weights, e.g. a ``VLLMEngine``
     whose ``model_path`` is the policy) is used as is and left open; by default one is
-    started on ``model_path`` (default: the warm start). ``eval_every=0`` evaluates only
-    before and after training; ``eval_episodes=0`` never.
+    started on ``model_path`` (default: the task's warm start). ``env`` is a task of
+    :mod:`rollpipe.training.train_tasks` (``"frozenlake"``, ``"calculator"``: tool calls,
+    parsed by the model's ``hermes`` parser); ``max_turns`` defaults to the task's.
+    ``eval_every=0`` evaluates only before and after training; ``eval_episodes=0`` never.
     """
     console = console or Console()
+    task_of = train_task(env)
+    max_turns = task_of.max_turns if max_turns is None else max_turns
     torch.manual_seed(seed)
     if model_path is None:
-        model_path = getattr(engine, "model_path", None) or warm_start_model_path()
+        model_path = getattr(engine, "model_path", None) or task_of.warm_start()
     path = Path(model_path)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -160,12 +170,13 @@ def train_grpo(
         optimizer, lambda step: min(1.0, (step + 1) / max(1, warmup))
     )
     config = PipelineConfig(
-        envs="frozenlake",
+        envs=task_of.env,
         group_size=group_size,
         batch_size=batch_size,
         seed=seed,
         max_turns=max_turns,
-        sampling={"max_tokens": 24, "temperature": 1.0},
+        tool_parser=task_of.tool_parser,
+        sampling={"max_tokens": task_of.max_tokens, "temperature": 1.0},
     )
     owned = engine is None
     if engine is None:
@@ -178,10 +189,14 @@ def train_grpo(
     def held_out(step: int) -> None:
         if eval_episodes <= 0:
             return
-        result = evaluate(engine, tokenizer, episodes=eval_episodes, max_turns=max_turns)
-        sampled = evaluate(
-            engine, tokenizer, episodes=eval_episodes, max_turns=max_turns, temperature=1.0
-        )
+        settings: dict[str, Any] = {
+            "env": task_of.env,
+            "max_turns": max_turns,
+            "max_tokens": task_of.max_tokens,
+            "tool_parser": task_of.tool_parser,
+        }
+        result = evaluate(engine, tokenizer, episodes=eval_episodes, **settings)
+        sampled = evaluate(engine, tokenizer, episodes=eval_episodes, temperature=1.0, **settings)
         evals.append({"step": step, **result.as_dict(), "sampled_success": sampled.success})
         console.print(
             f"[bold]held-out after {step} steps[/bold]: success {result.success:.3f} greedy, "
@@ -259,7 +274,7 @@ def train_grpo(
     if out is not None:
         Path(out).write_text(json.dumps(result, indent=1) + "\n")
     if plot is not None:
-        if plot_curve(history, evals, Path(plot)):
+        if plot_curve(history, evals, Path(plot), task_of.title):
             console.print(f"learning curve written to {plot}")
         else:
             console.print("[yellow]matplotlib is missing: pip install rollpipe[plot][/yellow]")

@@ -4,6 +4,7 @@ The same options as ``examples/grpo_train.py``; each maps onto
 :func:`rollpipe.training.grpo_loop.train_grpo` (see docs/learning.md). The defaults are the
 measured run: 120 steps of 128 trajectories (16 groups of 8), lr 2e-4, GiGPO advantages,
 held-out success on 200 seeds every 40 steps, about 11 minutes on 2 CPU cores.
+``--env calculator`` trains the tools warm start on the calculator tool task instead.
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ _AT_LEAST: dict[str, int] = {"steps": 0, "batch_size": 1, "group_size": 1, "eval
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The training options on ``parser`` (returned)."""
+    parser.add_argument(
+        "--env",
+        default="frozenlake",
+        help="task to train on: frozenlake (default) or calculator (tool calls, hermes "
+        "parser, from the tools warm start)",
+    )
     parser.add_argument("--steps", type=int, default=120, help="GRPO steps (default 120)")
     parser.add_argument("--batch-size", type=int, default=128, help="trajectories per step")
     parser.add_argument("--group-size", type=int, default=8, help="trajectories per group")
@@ -50,6 +57,9 @@ def train_from_args(args: argparse.Namespace, console: Console | None = None) ->
         value = getattr(args, name)
         if value < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+    from rollpipe.training.train_tasks import train_task
+
+    train_task(args.env)  # an unknown --env fails before anything starts
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the per-step table readable
     from rollpipe.training.grpo_loop import train_grpo  # torch and transformers: not for --help
 
@@ -61,6 +71,7 @@ def train_from_args(args: argparse.Namespace, console: Console | None = None) ->
         turn_weight=args.turn_weight,
         mini_batch_size=args.mini_batch_size,
         seed=args.seed,
+        env=args.env,
         eval_every=args.eval_every,
         eval_episodes=args.eval_episodes,
         model_path=args.model,

@@ -1,0 +1,200 @@
+"""The tools warm start: the tiny tools model trained to call the calculator and answer.
+
+``build_tool_warm_start(path, recipe)`` writes a HuggingFace model directory,
+deterministic from ``recipe.seed``:
+
+1. the tiny model's tools variant (``build_tiny_model(tools=True)``: hermes-style
+   template, ``<tool_call>`` marker tokens, every digit one token) at the recipe's size;
+2. expert calculator episodes (:mod:`rollpipe.training.tool_expert`) played through the
+   pipeline on seeds derived from ``recipe.seed`` (never ``EVAL_SEED``'s);
+3. supervised training on every response token (:func:`rollpipe.training.sft.train_sft`).
+
+``tool_warm_start_model_path()`` returns the copy shipped in the package when it was
+built from the requested recipe, else builds it once into the user cache (logging so).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from rollpipe._utils.seeding import derive_seed
+from rollpipe.engines.tiny_model import _cache_root, build_tiny_model
+from rollpipe.training.sft import length_batches, train_sft
+from rollpipe.training.tool_expert import expert_episodes
+from rollpipe.training.warm_start import FORMAT_VERSION, RECIPE_FILE, _recipe_of
+
+__all__ = [
+    "DEFAULT_TOOL_RECIPE",
+    "TOOL_SHIPPED_DIR",
+    "ToolWarmStartRecipe",
+    "build_tool_warm_start",
+    "tool_warm_start_model_path",
+]
+
+TOOL_SHIPPED_DIR = Path(__file__).resolve().parent / "tool_warm_start_model"
+_log = logging.getLogger(__name__)
+
+
+@attrs.frozen(kw_only=True)
+class ToolWarmStartRecipe:
+    """Everything that decides the tools warm start's weights: the model's size, the
+    expert data (``episodes`` distinct expert episodes, read ``steps * batch_size``
+    times in length-sorted batches) and the optimizer."""
+
+    seed: int = 0
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 2
+    intermediate_size: int = 256
+    steps: int = 300
+    batch_size: int = 16
+    episodes: int = 1024
+    lr: float = 3e-3
+    warmup: int = 30
+    weight_decay: float = 0.01
+    threads: int = 2
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain JSON data, as stored next to the weights."""
+        data: dict[str, Any] = json.loads(json.dumps(attrs.asdict(self)))
+        return data
+
+
+DEFAULT_TOOL_RECIPE = ToolWarmStartRecipe()
+
+
+def _write_model_files(out: Path, recipe: ToolWarmStartRecipe) -> None:
+    """The tiny tools model's files at the recipe's size (random weights, replaced
+    later). Heads narrower than 64 (vLLM's CPU attention takes 32) are written as
+    64-wide heads, then re-declared: the weight shapes are the same either way."""
+    if recipe.hidden_size % recipe.num_heads:
+        raise ValueError(
+            f"ToolWarmStartRecipe: hidden_size {recipe.hidden_size} is not a multiple of "
+            f"num_heads {recipe.num_heads}"
+        )
+    wide = max(1, recipe.hidden_size // 64)
+    build_tiny_model(
+        out,
+        recipe.seed,
+        hidden_size=recipe.hidden_size,
+        num_layers=recipe.num_layers,
+        num_heads=wide,
+        num_kv_heads=wide,
+        intermediate_size=recipe.intermediate_size,
+        init_std=0.02,
+        tools=True,
+    )
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    config["num_attention_heads"] = config["num_key_value_heads"] = recipe.num_heads
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def initial_weights(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The untrained weights a build at ``path``'s recipe starts from (for baselines)."""
+    data = json.loads((Path(path) / RECIPE_FILE).read_text())
+    recipe = ToolWarmStartRecipe(**data["recipe"])
+    with tempfile.TemporaryDirectory() as tmp:
+        _write_model_files(Path(tmp), recipe)
+        from safetensors.torch import load_file
+
+        return load_file(str(Path(tmp) / "model.safetensors"))
+
+
+def build_tool_warm_start(
+    path: str | os.PathLike[str],
+    recipe: ToolWarmStartRecipe = DEFAULT_TOOL_RECIPE,
+    *,
+    on_step: Callable[[int, dict[str, float]], Any] | None = None,
+) -> Path:
+    """Train the tools warm start for ``recipe`` and write it to ``path``; returns it.
+
+    Torch runs on ``recipe.threads`` threads during the build, so the same recipe gives
+    the same weights on the same machine and software.
+    """
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = Path(path)
+    _write_model_files(out, recipe)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(recipe.threads)
+    start = time.perf_counter()
+    try:
+        episodes = list(expert_episodes(tokenizer, recipe.episodes, derive_seed(recipe.seed, 200)))
+        data_seconds = time.perf_counter() - start
+        torch.manual_seed(recipe.seed)
+        model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        passes = itertools.chain.from_iterable(itertools.repeat(episodes))
+        batches = length_batches(
+            passes, recipe.batch_size, pool=8, seed=derive_seed(recipe.seed, 201)
+        )
+        history = train_sft(
+            model,
+            itertools.islice(batches, recipe.steps),
+            tokenizer.pad_token_id,
+            steps=recipe.steps,
+            lr=recipe.lr,
+            warmup=recipe.warmup,
+            weight_decay=recipe.weight_decay,
+            on_step=on_step,
+        )
+    finally:
+        torch.set_num_threads(threads)
+    weights = {
+        k: v.detach().to(torch.float16).contiguous() for k, v in sorted(model.state_dict().items())
+    }
+    weights.pop("lm_head.weight", None)  # tied to the embedding
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)
+    last = history[-20:]
+    summary = {
+        "format": FORMAT_VERSION,
+        "recipe": recipe.as_dict(),
+        "expert_seconds": round(data_seconds, 1),
+        "train_seconds": round(time.perf_counter() - start, 1),
+        "final_loss": round(sum(h["format"] for h in last) / max(1, len(last)), 4),
+    }
+    (out / RECIPE_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def tool_warm_start_model_path(recipe: ToolWarmStartRecipe = DEFAULT_TOOL_RECIPE) -> Path:
+    """The tools warm start for ``recipe``: the shipped copy when it matches, else built
+    once (minutes) into the user cache (``$ROLLPIPE_CACHE_DIR`` or ``~/.cache/rollpipe``)."""
+    if _recipe_of(TOOL_SHIPPED_DIR) == recipe.as_dict():
+        return TOOL_SHIPPED_DIR
+    key = json.dumps({"format": FORMAT_VERSION, **recipe.as_dict()}, sort_keys=True)
+    final = _cache_root() / f"tool-warm-start-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    if _recipe_of(final) == recipe.as_dict():
+        return final
+    _log.warning(
+        "building the tools warm start into %s (a few minutes on 2 CPU cores, once)", final
+    )
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        build_tool_warm_start(tmp, recipe)
+        tmp.chmod(0o755)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if _recipe_of(final) != recipe.as_dict():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

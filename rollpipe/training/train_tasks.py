@@ -1,0 +1,68 @@
+"""The tasks ``rollpipe train`` knows: an env and what training and evaluating it need.
+
+Each :class:`TrainTask` names the registered env, the episode's turn cap and tokens per
+turn, the model's tool parser (tool envs) and the warm start it starts from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+
+from rollpipe.training.evaluate import EVAL_MAX_TURNS
+from rollpipe.training.tool_expert import TOOL_EPISODE
+
+__all__ = ["TASKS", "TrainTask", "train_task"]
+
+
+def _frozenlake_model() -> Path:
+    from rollpipe.training.warm_start import warm_start_model_path
+
+    return warm_start_model_path()
+
+
+def _calculator_model() -> Path:
+    from rollpipe.training.tool_warm_start import tool_warm_start_model_path
+
+    return tool_warm_start_model_path()
+
+
+@attrs.frozen
+class TrainTask:
+    """An env to train on: ``env`` (registry name), ``max_turns``, ``max_tokens`` per
+    turn, ``tool_parser`` (``None`` for text envs), ``warm_start()`` (the model path to
+    start from) and ``title`` (for the learning curve)."""
+
+    env: str
+    max_turns: int
+    max_tokens: int
+    tool_parser: str | None
+    warm_start: Callable[[], Path]
+    title: str
+
+
+TASKS: dict[str, TrainTask] = {
+    "frozenlake": TrainTask(
+        "frozenlake", EVAL_MAX_TURNS, 24, None, _frozenlake_model, "FrozenLake"
+    ),
+    "calculator": TrainTask(
+        "calculator",
+        TOOL_EPISODE["max_turns"],
+        TOOL_EPISODE["max_tokens"],
+        TOOL_EPISODE["tool_parser"],
+        _calculator_model,
+        "the calculator tool task",
+    ),
+}
+
+
+def train_task(name: str) -> TrainTask:
+    """The task called ``name``; an unknown name lists the known ones."""
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise ValueError(
+            f"env={name!r}: rollpipe train knows {sorted(TASKS)}; pick one of them"
+        ) from None
