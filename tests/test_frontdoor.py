@@ -301,3 +301,31 @@ def test_a_session_open_past_its_limit_ends_as_errored(engine: Any, chat: Any) -
         traj = door.finish(session.key, reward=1.0)
         assert traj.end_reason == "error" and traj.error_type == "SessionTimeoutError"
         assert traj.error_call == "session" and engine.seen == []
+
+
+AGENT_PROCESS = """
+import openai  # configured by OPENAI_BASE_URL and OPENAI_API_KEY alone
+client = openai.OpenAI(max_retries=0)
+messages = [{"role": "user", "content": "What is 2 + 3?"}]
+reply = client.chat.completions.create(model="m", messages=messages)
+messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+messages.append({"role": "user", "content": "Sure?"})
+client.chat.completions.create(model="m", messages=messages)
+"""
+
+
+def test_an_agent_in_another_process_is_collected(engine: Any, chat: Any) -> None:
+    import os
+    import subprocess
+    import sys
+
+    with FrontDoor(engine, chat, SETTINGS) as door:
+        session = door.open_session()
+        env = {**os.environ, "OPENAI_BASE_URL": door.url, "OPENAI_API_KEY": session.key}
+        done = subprocess.run(
+            [sys.executable, "-c", AGENT_PROCESS], env=env, capture_output=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr.decode()[-2000:]
+        traj = door.finish(session.key, reward=1.0)
+    assert traj.error is None and traj.prefix_breaks == 0
+    assert_one_exact_row(traj, engine.seen)
