@@ -329,3 +329,22 @@ def test_an_agent_in_another_process_is_collected(engine: Any, chat: Any) -> Non
         traj = door.finish(session.key, reward=1.0)
     assert traj.error is None and traj.prefix_breaks == 0
     assert_one_exact_row(traj, engine.seen)
+
+
+def test_the_agent_envs_of_a_pipeline_share_one_door(engine: Any, chat: Any) -> None:
+    async def agent(client: openai.AsyncOpenAI, task: str) -> float:
+        hi = [{"role": "user", "content": task}]
+        await client.chat.completions.create(model="m", messages=hi)  # type: ignore[arg-type]
+        return 1.0
+
+    first, second = AgentEnv(agent, task=str), AgentEnv(agent, task=str)
+    spec = EpisodeSpec(0, 0, 0)
+    for env in (first, second):
+        assert engine.runtime.call(env.run_episode(spec, engine, chat, SETTINGS)).error is None
+    door = first.door
+    assert door is not None and second.door is door
+    first.close()
+    assert not door.closed
+    assert engine.runtime.call(second.run_episode(spec, engine, chat, SETTINGS)).error is None
+    second.close()
+    assert door.closed

@@ -38,6 +38,7 @@ from rollpipe.agent.episode import EpisodeSettings
 from rollpipe.agent.records import EpisodeSpec, Trajectory
 from rollpipe.engines.protocol import Engine
 from rollpipe.engines.records import EngineError
+from rollpipe.frontdoor.doors import acquire_door, release_door
 from rollpipe.frontdoor.server import FrontDoor
 
 __all__ = ["AgentEnv", "AgentResult", "AgentTimeoutError"]
@@ -85,8 +86,9 @@ class AgentEnv:
         timeout_s: the agent's time limit per episode (None: no limit).
         client_options: extra keywords for ``openai.AsyncOpenAI`` (``timeout``, ...).
 
-    The Rollout runs it through :meth:`run_episode` instead of the text-env loop. Its
-    front door starts on the first episode and stops in :meth:`close`.
+    The Rollout runs it through :meth:`run_episode` instead of the text-env loop. The
+    AgentEnvs of one pipeline share one front door: it starts with the first episode
+    and stops when the last of them is closed.
     """
 
     def __init__(
@@ -165,16 +167,16 @@ class AgentEnv:
         )
 
     async def _door(self, engine: Engine, chat: ChatFormat, settings: EpisodeSettings) -> FrontDoor:
-        if self.door is None or self.door.engine is not engine:
-            if self.door is not None:
-                await self.door.stop()
-                self.door.close()
-            self.door = FrontDoor(engine, chat, settings)
-            await self.door.start()
-        return self.door
+        """The pipeline's shared door (:mod:`rollpipe.frontdoor.doors`)."""
+        door = self.door
+        if door is None or door.engine is not engine or door.chat is not chat or door.closed:
+            if door is not None:
+                release_door(self, door)
+            self.door = door = await acquire_door(self, engine, chat, settings)
+        return door
 
     def close(self) -> None:
         """Stop the front door (from any thread; the Rollout calls it when it closes)."""
         door, self.door = self.door, None
         if door is not None:
-            door.close()
+            release_door(self, door)

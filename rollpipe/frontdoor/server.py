@@ -108,6 +108,11 @@ class FrontDoor:
 
     # -- lifecycle (on the loop) ------------------------------------------------------
     @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (or the engine's runtime closed)."""
+        return self._scope.closed
+
+    @property
     def url(self) -> str:
         """The OpenAI ``base_url`` (``http://host:port/v1``); set once started."""
         if self._runner is None:
