@@ -221,3 +221,57 @@ def test_a_streamed_call_gives_the_same_message_in_chunks(engine: LoopEngine) ->
         "finish": "tool_calls",
         "usage": len(traj.turns[0].response_ids),
     }
+
+
+def test_requests_wait_while_suspended_and_an_abort_is_regenerated(engine: LoopEngine) -> None:
+    """The session's ``admit`` (the pipeline's suspension) holds requests; a request the
+    engine aborts (suspend with mode="abort") is sent again and recorded once."""
+    import asyncio
+    import threading
+
+    from waiting import holds_for, wait_until
+
+    from rollpipe.engines.records import Generation
+    from rollpipe.frontdoor import FrontDoor
+
+    engine.script(["It is 5." + EOT, "It is 5." + EOT])
+    chat = SETTINGS.chat_format(engine.tokenizer)
+    original = engine.generate
+
+    async def abort_first(prompt_ids: Any, params: Any) -> Generation:
+        gen = await original(prompt_ids, params)
+        if len(engine.prompts) == 1:  # the first request: aborted after two tokens
+            return Generation(gen.token_ids[:2], gen.logprobs[:2], "abort", gen.versions[:2])
+        return gen
+
+    gate = asyncio.Event()
+
+    async def admit() -> None:
+        await gate.wait()
+
+    engine.generate = abort_first  # type: ignore[method-assign]
+    try:
+        with FrontDoor(engine, chat, SETTINGS) as door:
+            session = door.open_session(admit=admit)
+            replies: list[Any] = []
+
+            async def ask() -> None:
+                async with openai.AsyncOpenAI(
+                    base_url=door.url, api_key=session.key, max_retries=0
+                ) as client:
+                    hi = [{"role": "user", "content": "What is 2 + 3?"}]
+                    replies.append(await client.chat.completions.create(model="m", messages=hi))  # type: ignore[arg-type]
+
+            agent = threading.Thread(target=asyncio.run, args=(ask(),))
+            agent.start()
+            wait_until(lambda: session.in_flight, 30, "the request at the front door")
+            holds_for(lambda: not engine.prompts, 0.2, "no request reaches the engine")
+            engine.runtime.call_soon(gate.set)  # resume
+            agent.join(60)
+            traj = door.finish(session.key, reward=1.0)
+    finally:
+        del engine.generate
+    assert not agent.is_alive() and replies[0].choices[0].message.content == "It is 5."
+    assert len(engine.prompts) == 2 and engine.prompts[0] == engine.prompts[1]
+    assert len(traj.turns) == 1 and traj.aborted_tokens == 2
+    assert list(traj.turns[0].response_ids) == engine.responses[1]
