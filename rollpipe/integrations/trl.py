@@ -1,0 +1,219 @@
+"""TRL's ``GRPOTrainer`` trained on rollpipe's rollouts: a ``rollout_func`` from a pipeline.
+
+>>> args = GRPOConfig(num_generations=4, per_device_train_batch_size=8, max_steps=4)
+>>> with RolloutPipeline(PipelineConfig(group_size=4), engine, tokenizer) as pipe:
+...     trainer = GRPOTrainer(
+...         model, reward_funcs=episode_reward, args=args,
+...         train_dataset=placeholder_dataset(args), processing_class=tokenizer,
+...         rollout_func=pipeline_rollout(pipe),
+...     )
+...     trainer.train()
+
+Each call TRL makes (once per generation batch) first brings the engine's weights to the
+trainer's when an optimizer step happened since the last call (``suspend -> update_weights
+-> resume``; the engine's version then is ``start + trainer.state.global_step``, checked),
+then asks the pipeline for ``len(prompts)`` trajectories, whole groups of
+``num_generations``, and returns their rows (``trl_rows.trl_fields``). TRL's prompts are
+placeholders: rollpipe's envs make the prompts. See ``docs/trl.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rollpipe.config import PipelineConfig
+from rollpipe.data.proto import DataProto
+from rollpipe.engines.protocol import Engine, PauseMode
+from rollpipe.integrations.trl_rows import trl_fields
+from rollpipe.pipeline import RolloutPipeline
+
+__all__ = ["TRLRollout", "episode_reward", "pipeline_rollout", "placeholder_dataset"]
+
+METRICS_FIELD = "rollpipe_metrics"
+
+
+class TRLRollout:
+    """``GRPOTrainer(rollout_func=...)`` drawing from ``pipeline`` (see the module doc).
+
+    Args:
+        pipeline: the ``RolloutPipeline``; its ``group_size`` must equal TRL's
+            ``num_generations`` and its sampling temperature TRL's ``temperature``.
+        sync_weights: load the trainer's weights into the engine after each optimizer
+            step (False only if you sync yourself).
+        suspend_mode: the pipeline's pause mode while loading (``"abort"``, ROLL's).
+
+    ``syncs`` lists ``(global_step, engine version)`` per weight load; ``last_batch`` is
+    the ``DataProto`` TRL got last.
+    """
+
+    def __init__(
+        self,
+        pipeline: RolloutPipeline,
+        *,
+        sync_weights: bool = True,
+        suspend_mode: PauseMode = "abort",
+    ) -> None:
+        if not isinstance(pipeline, RolloutPipeline):
+            raise TypeError(
+                f"TRLRollout: pipeline must be a RolloutPipeline, got {type(pipeline).__name__}; "
+                "or call pipeline_rollout(config, engine, tokenizer)"
+            )
+        self.pipeline, self.sync_weights, self.suspend_mode = pipeline, sync_weights, suspend_mode
+        self.syncs: list[tuple[int, int]] = []
+        self.last_batch: DataProto | None = None
+        self._synced_step: int | None = None
+        self._start: int | None = None  # engine version - global_step, fixed at the first sync
+
+    # -- TRL's call ---------------------------------------------------------------------
+    def __call__(self, prompts: Sequence[Any], trainer: Any) -> dict[str, Any]:
+        """TRL's ``rollout_func(prompts, trainer)``: ``prompt_ids``, ``completion_ids``,
+        ``logprobs``, ``env_mask`` and extra fields, one entry per prompt."""
+        self._check_trainer(trainer, len(prompts))
+        step = int(trainer.state.global_step)
+        if self.sync_weights and step != self._synced_step:
+            self._sync(trainer, step)
+        data = DataProto(meta_info={"global_step": step})
+        batch = self.pipeline.get_batch(data, len(prompts))
+        if batch is None:
+            raise RuntimeError(
+                f"TRLRollout: {self.pipeline.name}'s episode source ended at global_step "
+                f"{step}; set num_groups=None (endless) or fewer max_steps"
+            )
+        self._check_versions(batch)
+        self.last_batch = batch
+        fields: dict[str, Any] = dict(trl_fields(batch))
+        fields[METRICS_FIELD] = dict(batch.meta_info.get("metrics", {}))  # one dict, all rows
+        return fields
+
+    # -- weights ------------------------------------------------------------------------
+    def _sync(self, trainer: Any, step: int) -> None:
+        """Load the trainer's weights; the engine's version becomes ``start + step``."""
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        if hasattr(model, "peft_config"):
+            raise NotImplementedError(
+                "TRLRollout: the trainer's model is a PEFT model, whose state dict is not the "
+                "engine's; merge the adapter into a full model first, or pass "
+                "sync_weights=False and load merged weights yourself"
+            )
+        current = self.pipeline.version
+        if self._start is None:
+            self._start = current + 1 - step
+        version = self._start + step
+        if version <= current:
+            raise RuntimeError(
+                f"TRLRollout: the engine is at version {current}, past {version} (= start "
+                f"{self._start} + global_step {step}); something else updated its weights. "
+                "Let this rollout function be the only one to update them"
+            )
+        with self.pipeline.suspended(self.suspend_mode):
+            loaded = self.pipeline.update_weights(model, version=version)
+        if loaded != version or self.pipeline.version != version:
+            raise RuntimeError(
+                f"TRLRollout: asked for version {version}, the engine reports "
+                f"{self.pipeline.version} (update returned {loaded})"
+            )
+        self._synced_step = step
+        self.syncs.append((step, version))
+
+    def _check_versions(self, batch: DataProto) -> None:
+        """On-policy pipelines (``async_generation_ratio=0``): every generated token is of
+        the weights just loaded."""
+        if not self.sync_weights or self.pipeline.config.async_generation_ratio != 0:
+            return
+        rows = batch.batch
+        if rows is None:
+            return
+        versions = rows["policy_versions"][rows["response_mask"].bool()]
+        wrong = sorted({int(v) for v in versions.unique()} - {self.pipeline.version})
+        if wrong:
+            raise RuntimeError(
+                f"TRLRollout: rows hold tokens of version(s) {wrong}, the engine holds "
+                f"{self.pipeline.version}; the batch is not the trainer's policy"
+            )
+
+    # -- checks -------------------------------------------------------------------------
+    def _check_trainer(self, trainer: Any, n_prompts: int) -> None:
+        if not trainer.model.training:
+            raise NotImplementedError(
+                "TRLRollout: TRL asked for evaluation rollouts; this rollout function serves "
+                "training only: set GRPOConfig(eval_strategy='no') and evaluate with rollpipe"
+            )
+        group = self.pipeline.config.source.group_size
+        if trainer.num_generations != group:
+            raise ValueError(
+                f"TRLRollout: GRPOConfig.num_generations={trainer.num_generations} but the "
+                f"pipeline's group_size={group}; TRL normalizes rewards over num_generations "
+                "consecutive rows, which must be one rollpipe group: make them equal"
+            )
+        if n_prompts % group:
+            raise ValueError(
+                f"TRLRollout: TRL asked for {n_prompts} completions on this process, not a "
+                f"multiple of group_size={group}; make per_device_train_batch_size * "
+                "steps_per_generation a multiple of num_generations"
+            )
+        if getattr(trainer, "tools", None):
+            raise ValueError(
+                "TRLRollout: the trainer has tools or an environment_factory, so TRL would run "
+                "its own tool loop on rollpipe's completions (and ignore env_mask); give the "
+                "env to the pipeline instead (rollpipe.integrations.trl_env.TRLEnv)"
+            )
+        temperature = self.pipeline.config.episode.sampling.temperature
+        if float(trainer.temperature) != float(temperature):
+            raise ValueError(
+                f"TRLRollout: GRPOConfig.temperature={trainer.temperature} but the pipeline "
+                f"samples at {temperature} (EpisodeSettings.sampling); TRL scores tokens at "
+                "its temperature, so make them equal"
+            )
+
+
+def pipeline_rollout(
+    pipeline_or_config: RolloutPipeline | PipelineConfig,
+    engine: Engine | Callable[[], Engine] | None = None,
+    tokenizer: Any = None,
+    **options: Any,
+) -> TRLRollout:
+    """A ``TRLRollout`` from a pipeline, or from ``config, engine, tokenizer`` (the
+    pipeline is built here; close it with ``rollout.pipeline.close()``). ``options`` go
+    to ``TRLRollout``."""
+    if isinstance(pipeline_or_config, RolloutPipeline):
+        if engine is not None or tokenizer is not None:
+            raise ValueError(
+                "pipeline_rollout: give a pipeline alone, or a config with engine and tokenizer"
+            )
+        return TRLRollout(pipeline_or_config, **options)
+    if not isinstance(pipeline_or_config, PipelineConfig) or engine is None or tokenizer is None:
+        raise ValueError(
+            f"pipeline_rollout: got {type(pipeline_or_config).__name__} with engine={engine!r}, "
+            "tokenizer given: "
+            f"{tokenizer is not None}; give a RolloutPipeline, or a PipelineConfig, an engine "
+            "and a tokenizer"
+        )
+    return TRLRollout(RolloutPipeline(pipeline_or_config, engine, tokenizer), **options)
+
+
+def episode_reward(
+    episode_score: Sequence[float],
+    log_metric: Callable[[str, float], None] | None = None,
+    rollpipe_metrics: Sequence[dict[str, float]] | None = None,
+    **kwargs: Any,
+) -> list[float]:
+    """A TRL reward function: each row's rollpipe episode score (the sum of its env's
+    rewards). It also logs the batch's rollpipe metrics as ``rollpipe/<name>``."""
+    if log_metric is not None and rollpipe_metrics:
+        for name, value in rollpipe_metrics[0].items():
+            log_metric(f"rollpipe/{name}", float(value))
+    return [float(s) for s in episode_score]
+
+
+def placeholder_dataset(args: Any) -> Any:
+    """The ``train_dataset`` TRL needs: empty prompts, rollpipe's envs make the real ones.
+
+    ``gradient_accumulation_steps`` generation batches' worth of rows, so that an epoch
+    of them is whole optimizer steps (a shorter epoch ends an accumulation early). Set
+    ``max_steps`` in ``args``: the placeholders repeat."""
+    from datasets import Dataset
+
+    per_batch = int(args.generation_batch_size) // int(args.num_generations)
+    rows = max(1, per_batch * int(args.gradient_accumulation_steps))
+    return Dataset.from_dict({"prompt": [""] * rows})
