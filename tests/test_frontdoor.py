@@ -92,6 +92,7 @@ def test_a_multi_turn_agent_becomes_the_engines_exact_ids(engine: Any, chat: Any
                 messages=messages,
                 tools=TOOLS,
                 logprobs=True,  # type: ignore[arg-type]
+                extra_body={"return_token_ids": True},
             )
             replies.append(reply)
             answered(messages, reply, f"Check step {i} again.")
@@ -108,8 +109,11 @@ def test_a_multi_turn_agent_becomes_the_engines_exact_ids(engine: Any, chat: Any
     assert_one_exact_row(traj, engine.seen)
     first = chat.tokenizer.decode(traj.turns[0].prompt_ids)
     assert first.count('"name": "add"') == 1 and "What is 2 + 3?" in first  # tools rendered
-    for reply, (_, gen) in zip(replies, engine.seen, strict=True):
+    for reply, (prompt, gen) in zip(replies, engine.seen, strict=True):
+        assert reply.usage.prompt_tokens == len(prompt)
         assert reply.usage.completion_tokens == len(gen.token_ids)
+        assert reply.model_extra["prompt_token_ids"] == prompt  # vLLM's return_token_ids
+        assert reply.choices[0].model_extra["token_ids"] == list(gen.token_ids)
         assert [c.logprob for c in reply.choices[0].logprobs.content] == list(gen.logprobs)
 
 

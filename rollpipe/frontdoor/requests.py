@@ -66,6 +66,7 @@ class ChatRequest:
     tool_choice: str = "auto"
     sampling: Mapping[str, Any] = attrs.field(factory=dict)
     logprobs: bool = False
+    return_token_ids: bool = False
     stream: bool = False
     include_usage: bool = False
 
@@ -214,6 +215,13 @@ def _check_unsupported(body: Mapping[str, Any]) -> None:
         )
 
 
+def _flag(body: Mapping[str, Any], key: str) -> bool:
+    value = body.get(key) or False
+    if not isinstance(value, bool):
+        raise RequestError(f"{key} must be true or false, got {value!r}", key)
+    return value
+
+
 def parse_chat_request(body: Any) -> ChatRequest:
     """``body`` (decoded JSON) as a :class:`ChatRequest`; :class:`RequestError` naming
     the first field that is wrong."""
@@ -257,6 +265,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         tool_choice=choice,
         sampling=_sampling(body),
         logprobs=logprobs,
+        return_token_ids=_flag(body, "return_token_ids"),
         stream=stream,
         include_usage=bool(options.get("include_usage", False)),
     )

@@ -42,9 +42,12 @@ def completion_body(
     prompt_tokens: int,
     tokenizer: Any,
     logprobs: bool,
+    prompt_ids: list[int] | None = None,
 ) -> dict[str, Any]:
     """A ``chat.completion`` for one call: the assistant ``message`` (its tool calls
-    parsed by the model's parser), finish reason, usage and, if asked, logprobs."""
+    parsed by the model's parser), finish reason, usage and, if asked, logprobs. With
+    ``prompt_ids`` (vLLM's ``return_token_ids``) the choice carries ``token_ids`` and the
+    body ``prompt_token_ids``: exactly what the engine received and produced."""
     if action.tool_calls:
         finish = "tool_calls"
     else:
@@ -60,13 +63,15 @@ def completion_body(
         "finish_reason": finish,
         "logprobs": _logprobs(tokenizer, gen) if logprobs else None,
     }
+    if prompt_ids is not None:
+        choice["token_ids"] = list(gen.token_ids)
     n = len(gen.token_ids)
     usage = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": n,
         "total_tokens": prompt_tokens + n,
     }
-    return {
+    body = {
         "id": completion_id,
         "object": "chat.completion",
         "created": int(time.time()),
@@ -74,6 +79,9 @@ def completion_body(
         "choices": [choice],
         "usage": usage,
     }
+    if prompt_ids is not None:
+        body["prompt_token_ids"] = prompt_ids
+    return body
 
 
 def stream_chunks(body: Mapping[str, Any], include_usage: bool) -> list[dict[str, Any]]:

@@ -305,6 +305,7 @@ class FrontDoor:
             prompt_tokens=len(prompt.ids),
             tokenizer=self.chat.tokenizer,
             logprobs=request.logprobs,
+            prompt_ids=list(prompt.ids) if request.return_token_ids else None,
         )
 
     def _params(self, session: AgentSession, request: ChatRequest, budget: int) -> SamplingParams:

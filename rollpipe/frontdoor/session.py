@@ -168,9 +168,7 @@ class AgentSession:
         self.rows[-1].append(turn)
         self.tool_calls += len(action.tool_calls)
         self.malformed += action.malformed
-        context = prompt.ids
-        context.extend_checked(gen.token_ids)
-        self._context = context
+        self._context = prompt.ids.extended(gen.token_ids)  # prompt.ids stays the prompt
         self.calls += 1
         return action, message
 
