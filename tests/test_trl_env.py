@@ -134,5 +134,6 @@ def test_errors_name_what_to_do() -> None:
     with pytest.raises(ValueError, match="'environment' field is 'c'"):
         env.reset(0, {"environment": "c", "target": 1})
     with pytest.raises(ValueError, match="system_prompt"):
-        env.reset(0, {"environment": "a", "target": 1, "prompt": [{"role": "system", "content": "x"}]})
+        system = [{"role": "system", "content": "x"}]
+        env.reset(0, {"environment": "a", "target": 1, "prompt": system})
     env.close()
