@@ -483,3 +483,24 @@ def test_end_to_end_vllm_frozenlake_rows(vllm_engine: Any, tokenizer: Any) -> No
     assert (lp <= 0).all() and (lp < 0).any()
     assert dp.batch["traj_group_id"].tolist() == [0, 0, 1, 1]
     assert list(dp.non_tensor_batch["uid"]) == ["frozenlake/g0"] * 2 + ["frozenlake/g1"] * 2
+
+
+def test_prompts_handed_to_the_engine_are_never_changed_afterwards(tokenizer: Any) -> None:
+    """An engine may keep the prompt object it was given (a recorder, a cache): the
+    episode grows its own context, never the list it handed over."""
+    from rollpipe.engines.scripted import ScriptedEngine
+
+    kept: list[tuple[list[int], list[int]]] = []  # (the object given, a copy of it then)
+    eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def policy(prompt: list[int], params: SamplingParams) -> list[int]:
+        kept.append((prompt, list(prompt)))
+        return [*tokenizer("Up", add_special_tokens=False)["input_ids"], eot]
+
+    settings = EpisodeSettings(max_turns=4, sampling=SamplingParams(max_tokens=8))
+    with ScriptedEngine(policy) as engine:
+        traj = run(run_episode(spec(), FrozenLake(), engine, ChatFormat(tokenizer), settings))
+    assert len(kept) == len(traj.turns) >= 2
+    for given, then in kept:
+        assert given == then
+    assert all(len(a[0]) < len(b[0]) for a, b in zip(kept, kept[1:], strict=False))

@@ -339,7 +339,7 @@ async def run_episode(
                 added = dialog.first_prompt(observation)
             else:
                 added, broke = dialog.continuation(observation, turns[-1].response_ids)
-            prompt = added if windowed else context.extended(added)
+            prompt = added if windowed else context.extended(added)  # a copy: the engine's
             budget = s.max_length - len(prompt)
             if budget < 1:
                 end_reason = "max_length"
@@ -361,8 +361,8 @@ async def run_episode(
             text = action.text if action is not None and structured else chat.decode(gen.token_ids)
             fields = _turn(added, gen, text, messages_text(observation))
             fields["prefix_break"] = broke
-            if not windowed:  # the engine is done with prompt: it becomes the context
-                context = prompt  # type: ignore[assignment]
+            if not windowed:  # grown in place; the engine keeps its own copy, prompt
+                context.extend_checked(added)
                 context.extend_checked(gen.token_ids)
             if gen.finish_reason == "length" and on_length != "step":
                 turns.append(Turn(**fields, reward=penalty, action_valid=False, stepped=False))
