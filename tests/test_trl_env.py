@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from rollpipe.envs import register
 from rollpipe.integrations.trl_env import TRLEnv, trl_tools
 
 RESETS: list[dict[str, Any]] = []
+SCORES: list[tuple[int, int, float]] = []  # (target, count, reward) per get_reward call
 
 
 class CounterEnv:
@@ -41,7 +43,9 @@ class CounterEnv:
         return self.count
 
     def get_reward(self) -> float:
-        return 1.0 if self.count == self.target else 0.0
+        reward = 1.0 if self.count == self.target else 0.0
+        SCORES.append((self.target, self.count, reward))
+        return reward
 
 
 class Other(CounterEnv):
@@ -137,3 +141,57 @@ def test_errors_name_what_to_do() -> None:
         system = [{"role": "system", "content": "x"}]
         env.reset(0, {"environment": "a", "target": 1, "prompt": system})
     env.close()
+
+
+def trl_scores(overshoot: bool, out: Path) -> list[tuple[int, int, float]]:
+    """CounterEnv through TRL's own ``environment_factory`` path: TRL's tool loop, tool
+    calls and ``get_reward``; only TRL's generation step is replaced by the same
+    scripted policy (the tiny model cannot be steered on CPU otherwise)."""
+    import os
+
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.chat_template_utils import qwen3_template
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    path = str(default_model_path(tools=True))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.response_template = qwen3_template  # hermes-style calls, as qwen's
+    args = GRPOConfig(
+        output_dir=str(out),
+        num_generations=2,
+        per_device_train_batch_size=4,
+        max_steps=1,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        max_completion_length=256,
+    )
+    trainer = GRPOTrainer(
+        path,
+        args=args,
+        train_dataset=Dataset.from_list(ROWS),
+        processing_class=tokenizer,
+        environment_factory=CounterEnv,
+    )
+    policy = counting_policy(tokenizer, overshoot)
+
+    def scripted(prompt_ids: list[list[int]], *args: Any, **kw: Any) -> Any:
+        ids = [policy(p, SamplingParams()) for p in prompt_ids]
+        return ids, [[0.0] * len(i) for i in ids]
+
+    trainer._generate_single_turn = scripted  # type: ignore[method-assign]
+    SCORES.clear()
+    trainer.train()
+    return sorted(SCORES)
+
+
+@pytest.mark.parametrize("overshoot", [False, True])
+def test_rewards_equal_trls_own_environment_path(overshoot: bool, tmp_path: Path) -> None:
+    expected = trl_scores(overshoot, tmp_path)
+    assert len(expected) == 4 and {r for _, _, r in expected} == {float(not overshoot)}
+    SCORES.clear()
+    batch, _ = run(CounterEnv, ROWS, overshoot=overshoot)
+    assert sorted(SCORES) == expected
+    assert sorted(batch.batch["episode_scores"].tolist()) == [r for _, _, r in expected]
