@@ -29,6 +29,9 @@ _EXPORTS: dict[str, str] = {
     "PromptTask": "rollpipe.envs.task",
     "DatasetSettings": "rollpipe.nodes.dataset",
     "ScriptedEngine": "rollpipe.engines.scripted",
+    "AgentEnv": "rollpipe.frontdoor.agent",
+    "AgentResult": "rollpipe.frontdoor.agent",
+    "FrontDoor": "rollpipe.frontdoor.server",
     "run_episode": "rollpipe.agent.episode",
     "trajectory_rows": "rollpipe.data.rows",
     "to_roll": "rollpipe.data.roll_layout",
@@ -87,6 +90,8 @@ if TYPE_CHECKING:
     from rollpipe.envs.calculator import calculator_env
     from rollpipe.envs.task import PromptTask
     from rollpipe.envs.tool_env import ToolEnv
+    from rollpipe.frontdoor.agent import AgentEnv, AgentResult
+    from rollpipe.frontdoor.server import FrontDoor
     from rollpipe.nodes.batch import Batch, TrajectoryBatch
     from rollpipe.nodes.collate import Collate, CollateSettings
     from rollpipe.nodes.dataset import DatasetSettings

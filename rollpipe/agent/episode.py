@@ -173,7 +173,7 @@ class EpisodeSettings:
         )
 
 
-async def _generate(
+async def generate_turn(
     engine: Engine,
     prompt: list[int],
     params: SamplingParams,
@@ -351,7 +351,7 @@ async def run_episode(
             )
             try:
                 limit = s.generation_timeout_s
-                gen = await _generate(
+                gen = await generate_turn(
                     engine, prompt, params, admit, s.max_aborts, clock, session, limit
                 )
             except GenerationTimeoutError as exc:

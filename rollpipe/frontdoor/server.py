@@ -31,7 +31,7 @@ from aiohttp import web
 
 from rollpipe._utils.seeding import derive_seed
 from rollpipe.agent.chat import ChatFormat
-from rollpipe.agent.episode import EpisodeSettings, _generate
+from rollpipe.agent.episode import EpisodeSettings, generate_turn
 from rollpipe.agent.generation_timeout import GenerationTimeoutError
 from rollpipe.agent.records import EpisodeSpec, Trajectory
 from rollpipe.engines.protocol import Engine
@@ -280,7 +280,7 @@ class FrontDoor:
         params = self._params(session, request, budget)
         routing = Session(session.spec.episode_id)
         try:
-            gen = await _generate(
+            gen = await generate_turn(
                 self.engine,
                 prompt.ids,
                 params,
