@@ -66,11 +66,16 @@ class Recorder:
     def __init__(self, rollout: TRLRollout, engine: HFEngine) -> None:
         self.rollout, self.engine = rollout, engine
         self.calls: list[dict[str, Any]] = []
+        self.changes: list[bool] = []  # per call after the first: the weights moved
+        self.previous = torch.empty(0)
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
         out = self.rollout(prompts, trainer)
         name = "model.layers.0.self_attn.q_proj.weight"
         trained = trainer.accelerator.unwrap_model(trainer.model).state_dict()[name]
+        if self.calls:
+            self.changes.append(not torch.equal(self.previous, trained))
+        self.previous = trained.clone()
         self.calls.append(
             {
                 "step": trainer.state.global_step,
@@ -83,23 +88,33 @@ class Recorder:
         return out
 
 
-def train(tmp_path: Path, **grpo: Any) -> tuple[Recorder, GRPOTrainer]:
+def token_reward(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
+    """An arbitrary score of the tokens: it differs within a group whenever the rows do
+    (FrozenLake's score often does not), so steps move the weights and a missed sync
+    would show."""
+    return [sum(ids) % 101 / 101 for ids in completion_ids]
+
+
+def trainer_for(rollout: Any, tmp_path: Path, **grpo: Any) -> GRPOTrainer:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = warm_start_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    path = str(warm_start_model_path())
     grpo_args = args(tmp_path, **grpo)
-    with HFEngine(path) as engine, RolloutPipeline(config(), engine, tokenizer) as pipe:
+    return GRPOTrainer(
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+        reward_funcs=[episode_reward, token_reward],
+        args=grpo_args,
+        train_dataset=placeholder_dataset(grpo_args),
+        processing_class=AutoTokenizer.from_pretrained(path),
+        rollout_func=rollout,
+    )
+
+
+def train(tmp_path: Path, **grpo: Any) -> tuple[Recorder, GRPOTrainer]:
+    path = warm_start_model_path()
+    with HFEngine(path) as engine, RolloutPipeline(config(), engine, path) as pipe:
         recorder = Recorder(pipeline_rollout(pipe), engine)
-        trainer = GRPOTrainer(
-            model,
-            reward_funcs=episode_reward,
-            args=grpo_args,
-            train_dataset=placeholder_dataset(grpo_args),
-            processing_class=tokenizer,
-            rollout_func=recorder,
-        )
+        trainer = trainer_for(recorder, tmp_path, **grpo)
         trainer.train()
     return recorder, trainer
 
@@ -110,6 +125,7 @@ def test_grpo_trainer_trains_on_rollpipe_rollouts(tmp_path: Path) -> None:
     assert [c["version"] for c in recorder.calls] == [1, 2, 3]  # one load per optimizer step
     assert recorder.rollout.syncs == [(0, 1), (1, 2), (2, 3)]
     assert all(c["equal"] for c in recorder.calls)  # the engine held the trainer's weights
+    assert recorder.changes == [True, True]  # ... and they moved: the steps trained
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
     assert any("rollpipe/success_rate" in h for h in trainer.state.log_history)
@@ -175,3 +191,35 @@ def test_group_size_must_equal_num_generations(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="num_generations=4 but the pipeline's group_size=2"):
             trainer.train()
         assert engine.version == 0  # nothing loaded before the check
+
+
+def test_on_vllm_the_engine_ends_with_the_trainers_weights(tmp_path: Path) -> None:
+    """The real vLLM engine: 3 steps, one load per optimizer step, and after the final
+    ``sync`` the engine's greedy output is the trained model's."""
+    from rollpipe.engines.records import SamplingParams
+    from rollpipe.engines.vllm import VLLMEngine
+
+    path = warm_start_model_path()
+    engine = VLLMEngine(path, kv_cache_space_gib=1, max_model_len=2048, seed=0)
+    with engine, RolloutPipeline(config(), engine, path) as pipe:
+        rollout = pipeline_rollout(pipe)
+        trainer = trainer_for(rollout, tmp_path)
+        trainer.train()
+        assert rollout.syncs == [(0, 1), (1, 2), (2, 3)]
+        assert rollout.sync(trainer) == 4 == engine.version  # the last step's weights
+        grads = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+        assert len(grads) == 3 and all(torch.isfinite(torch.tensor(grads)))
+        model = trainer.accelerator.unwrap_model(trainer.model).eval()
+        model.generation_config.eos_token_id = None  # greedy to max_new_tokens
+        rows = rollout.last_batch.batch["input_ids"]
+        prompts = [rows[0][:40].tolist(), rows[GROUP][:60].tolist()]
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        got = [list(g.token_ids) for g in engine.generate_batch(prompts, params)]
+        with torch.no_grad():
+            want = [
+                model.generate(
+                    torch.tensor([p]), max_new_tokens=16, do_sample=False, pad_token_id=0
+                )[0, len(p) :].tolist()
+                for p in prompts
+            ]
+        assert got == want

@@ -71,8 +71,8 @@ class TRLRollout:
         ``logprobs``, ``env_mask`` and extra fields, one entry per prompt."""
         self._check_trainer(trainer, len(prompts))
         step = int(trainer.state.global_step)
-        if self.sync_weights and step != self._synced_step:
-            self._sync(trainer, step)
+        if self.sync_weights:
+            self.sync(trainer)
         data = DataProto(meta_info={"global_step": step})
         batch = self.pipeline.get_batch(data, len(prompts))
         if batch is None:
@@ -87,8 +87,16 @@ class TRLRollout:
         return fields
 
     # -- weights ------------------------------------------------------------------------
-    def _sync(self, trainer: Any, step: int) -> None:
-        """Load the trainer's weights; the engine's version becomes ``start + step``."""
+    def sync(self, trainer: Any) -> int:
+        """Load the trainer's weights if it stepped since the last load (the engine's
+        version becomes ``start + global_step``); returns the engine's version. Each call
+        does this; call it after ``trainer.train()`` for the final weights."""
+        step = int(trainer.state.global_step)
+        if step != self._synced_step:
+            self._load(trainer, step)
+        return self.pipeline.version
+
+    def _load(self, trainer: Any, step: int) -> None:
         model = trainer.accelerator.unwrap_model(trainer.model)
         if hasattr(model, "peft_config"):
             raise NotImplementedError(
