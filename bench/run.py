@@ -46,8 +46,17 @@ BENCHMARKS = (
     "remote",
     "learning",
     "turn_cost",
+    "frontdoor",
 )
-NEEDS_ENGINE = {"efficiency", "long_tail", "concurrency", "pause", "overhead", "on_policy"}
+NEEDS_ENGINE = {
+    "efficiency",
+    "long_tail",
+    "concurrency",
+    "pause",
+    "overhead",
+    "on_policy",
+    "frontdoor",
+}
 LEVELS = (1, 8, 64, 256)
 
 # (label, JSON key, target text, format)
@@ -126,6 +135,15 @@ SUMMARY = (
     ("11", "CPU per turn, 8 turns/episode", "turn_cpu_us_8turns", "—", "{:.0f} µs"),
     ("11", "CPU per turn, 128 turns/episode", "turn_cpu_us_128turns", "—", "{:.0f} µs"),
     ("11", "CPU per turn, 1024 episodes in flight", "turn_cpu_us_1024inflight", "—", "{:.0f} µs"),
+    ("12", "Front door ÷ in-process calls/s, 32 callers", "frontdoor_calls_ratio", "—", "{:.2f}×"),
+    ("12", "Front door added latency per call", "frontdoor_added_latency_ms", "—", "{:.1f} ms"),
+    (
+        "12",
+        "Agent episode ÷ text episode traj/s",
+        "agent_vs_text_trajectories_ratio",
+        "—",
+        "{:.2f}×",
+    ),
 )
 
 
