@@ -17,7 +17,7 @@ from rollpipe.config import PipelineConfig
 from rollpipe.engines.protocol import Engine
 from rollpipe.envs.base import GridTextEnv
 from rollpipe.envs.registry import make
-from rollpipe.nodes.episode_source import EpisodeSource
+from rollpipe.nodes.episode_source import EnvChoice, EpisodeSource
 
 __all__ = ["EVAL_SEED", "Evaluation", "evaluate", "random_valid_success"]
 
@@ -47,7 +47,7 @@ def evaluate(
     *,
     episodes: int = 200,
     seed: int = EVAL_SEED,
-    env: str = "frozenlake",
+    env: str | EnvChoice = "frozenlake",
     max_turns: int = EVAL_MAX_TURNS,
     temperature: float = 0.0,
     max_tokens: int = 24,

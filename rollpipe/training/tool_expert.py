@@ -85,15 +85,16 @@ def _episode(ids: np.ndarray, response: np.ndarray, seed: int, score: float) -> 
 
 
 def expert_episodes(
-    tokenizer: Any, episodes: int, seed: int, *, chunk: int = 1024
+    tokenizer: Any, episodes: int, seed: int, *, digits: int = 3, chunk: int = 1024
 ) -> Iterator[ExpertEpisode]:
-    """``episodes`` expert calculator episodes on seeds derived from ``seed``, played
-    through a RolloutPipeline on a ScriptedEngine (see the module doc)."""
+    """``episodes`` expert calculator episodes (``digits``-digit numbers) on seeds derived
+    from ``seed``, played through a RolloutPipeline on a ScriptedEngine (module doc)."""
     from rollpipe.engines.scripted import ScriptedEngine
+    from rollpipe.nodes.episode_source import EnvChoice
     from rollpipe.pipeline import PipelineConfig, RolloutPipeline
 
     config = PipelineConfig(
-        envs="calculator",
+        envs=EnvChoice("calculator", {"digits": digits}),
         group_size=1,
         batch_size=min(chunk, episodes),
         num_groups=episodes,

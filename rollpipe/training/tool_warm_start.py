@@ -50,16 +50,18 @@ _log = logging.getLogger(__name__)
 
 @attrs.frozen(kw_only=True)
 class ToolWarmStartRecipe:
-    """Everything that decides the tools warm start's weights: the model's size, the
-    expert data (``episodes`` distinct expert episodes, read ``steps * batch_size``
-    times in length-sorted batches) and the optimizer."""
+    """Everything that decides the tools warm start's weights: the task (``digits`` of
+    the calculator's numbers), the model's size, the expert data (``episodes`` distinct
+    expert episodes, read ``steps * batch_size`` times in length-sorted batches) and the
+    optimizer."""
 
     seed: int = 0
+    digits: int = 1
     hidden_size: int = 128
     num_layers: int = 2
     num_heads: int = 2
     intermediate_size: int = 256
-    steps: int = 300
+    steps: int = 200
     batch_size: int = 16
     episodes: int = 1024
     lr: float = 3e-3
@@ -135,7 +137,8 @@ def build_tool_warm_start(
     torch.set_num_threads(recipe.threads)
     start = time.perf_counter()
     try:
-        episodes = list(expert_episodes(tokenizer, recipe.episodes, derive_seed(recipe.seed, 200)))
+        seed = derive_seed(recipe.seed, 200)
+        episodes = list(expert_episodes(tokenizer, recipe.episodes, seed, digits=recipe.digits))
         data_seconds = time.perf_counter() - start
         torch.manual_seed(recipe.seed)
         model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)

@@ -6,13 +6,16 @@ turn, the model's tool parser (tool envs) and the warm start it starts from.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import attrs
 
+from rollpipe.nodes.episode_source import EnvChoice
 from rollpipe.training.evaluate import EVAL_MAX_TURNS
 from rollpipe.training.tool_expert import TOOL_EPISODE
+from rollpipe.training.tool_warm_start import DEFAULT_TOOL_RECIPE
 
 __all__ = ["TASKS", "TrainTask", "train_task"]
 
@@ -31,16 +34,22 @@ def _calculator_model() -> Path:
 
 @attrs.frozen
 class TrainTask:
-    """An env to train on: ``env`` (registry name), ``max_turns``, ``max_tokens`` per
+    """An env to train on: ``name`` (registry name), ``max_turns``, ``max_tokens`` per
     turn, ``tool_parser`` (``None`` for text envs), ``warm_start()`` (the model path to
-    start from) and ``title`` (for the learning curve)."""
+    start from), ``title`` (for the learning curve) and the env's ``config``."""
 
-    env: str
+    name: str
     max_turns: int
     max_tokens: int
     tool_parser: str | None
     warm_start: Callable[[], Path]
     title: str
+    config: Mapping[str, Any] = attrs.field(factory=dict)
+
+    @property
+    def env(self) -> EnvChoice:
+        """The env as the pipeline takes it (name and config)."""
+        return EnvChoice(self.name, self.config)
 
 
 TASKS: dict[str, TrainTask] = {
@@ -54,6 +63,7 @@ TASKS: dict[str, TrainTask] = {
         TOOL_EPISODE["tool_parser"],
         _calculator_model,
         "the calculator tool task",
+        {"digits": DEFAULT_TOOL_RECIPE.digits},  # the digits the warm start learned
     ),
 }
 
