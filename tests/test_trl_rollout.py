@@ -223,3 +223,19 @@ def test_on_vllm_the_engine_ends_with_the_trainers_weights(tmp_path: Path) -> No
                 for p in prompts
             ]
         assert got == want
+
+
+def test_the_docs_loop_runs(tmp_path: Path) -> None:
+    """docs/trl.md's loop, as written, with the warm-start policy and 2 steps."""
+    import re
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "trl.md").read_text()
+    match = re.search(r"<!-- doctest: trl-loop -->\n```python\n(.*?)```", doc, re.S)
+    assert match, "docs/trl.md lost its <!-- doctest: trl-loop --> block"
+    code = (
+        match.group(1)
+        .replace('"/path/to/model"', repr(str(warm_start_model_path())))
+        .replace('GRPOConfig("out"', f"GRPOConfig({str(tmp_path)!r}")
+        .replace("max_steps=100", "max_steps=2, use_cpu=True")  # CPU-only here
+    )
+    exec(compile(code, "docs/trl.md", "exec"), {})
