@@ -206,3 +206,32 @@ def test_thousands_of_trajectories_make_whole_rows() -> None:
     alone = trajectory_rows(trajs[-3:], PAD).batch  # the same length: no padding differs
     keys = list(alone.keys())  # iterating a TensorDict gives rows, not keys
     assert keys and all(torch.equal(alone[key], dp.batch[key][-3:]) for key in keys)
+
+
+def test_a_new_row_turn_starts_a_row_of_its_own() -> None:
+    """Turn.new_row (an agent that rewrote its history): trajectory rows split there,
+    each row the exact ids of its segment; a step row's context starts at its segment."""
+
+    def turn(prompt: list[int], response: list[int], new_row: bool = False) -> Turn:
+        n = len(response)
+        return Turn(prompt, response, [-0.5] * n, [3] * n, 0.0, "stop", True, "a", "o",
+                    new_row=new_row)  # fmt: skip
+
+    turns = (turn([1, 2], [3]), turn([4], [5, 6]), turn([7, 8, 9], [10], True), turn([11], [12]))
+    t = Trajectory(EpisodeSpec(0, 1, 2), 0, turns, 2.0, True, "terminated")
+    rows = trajectory_rows([t], PAD)
+    assert len(rows) == 2
+    real = [
+        rows.batch["input_ids"][i][rows.batch["attention_mask"][i].bool()].tolist() for i in (0, 1)
+    ]
+    assert real == [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]
+    assert rows.batch["response_mask"].sum(dim=1).tolist() == [3, 2]
+    assert rows.batch["episode_scores"].tolist() == [2.0, 2.0]
+    assert list(rows.non_tensor_batch["traj_uid"]) == [t.traj_id] * 2
+    steps = step_rows([t], PAD)
+    contexts = [
+        steps.batch["input_ids"][i][steps.batch["attention_mask"][i].bool()].tolist()
+        for i in range(4)
+    ]
+    assert contexts == [[1, 2, 3], [1, 2, 3, 4, 5, 6], [7, 8, 9, 10], [7, 8, 9, 10, 11, 12]]
+    assert Turn.from_state(turns[2].to_state()).new_row

@@ -134,14 +134,20 @@ def test_a_rewritten_history_is_a_break_and_a_second_row(engine: Any, chat: Any)
     assert traj.error is None and len(traj.turns) == 3
     assert [t.prefix_break for t in traj.turns] == [False, True, False]
     assert traj.prefix_breaks == 1 and traj.env_metrics["prefix_breaks"] == 1.0
-    assert traj.history_window == 0  # each turn holds its whole prompt: no joined rows
+    assert [t.new_row for t in traj.turns] == [False, True, False]
     rows = step_rows([traj], pad_token_id=0)
     for i, (prompt, gen) in enumerate(engine.seen):
         n = int(rows.batch["attention_mask"][i].sum())
         assert rows.batch["input_ids"][i, :n].tolist() == [*prompt, *gen.token_ids]
     assert engine.seen[2][0][: len(engine.seen[1][0])] == engine.seen[1][0]  # row 2 grew
-    with pytest.raises(ValueError, match="step_rows"):
-        trajectory_rows([traj], pad_token_id=0)
+    whole = trajectory_rows([traj], pad_token_id=0)  # one row per session row
+    assert len(whole) == 2 and list(whole.non_tensor_batch["traj_uid"]) == [traj.traj_id] * 2
+    (p0, g0), (_, g1), (p2, g2) = ((p, list(g.token_ids)) for p, g in engine.seen)
+    for i, ids in enumerate(([*p0, *g0], [*p2, *g2])):  # row 2: the last request and answer
+        n = int(whole.batch["attention_mask"][i].sum())
+        assert whole.batch["input_ids"][i, :n].tolist() == ids
+    generated = whole.batch["response_mask"].sum(dim=1).tolist()
+    assert generated == [len(g0), len(g1) + len(g2)]  # row 2 holds both of its answers
 
 
 def test_a_bad_or_finished_key_gets_401_and_touches_nothing(engine: Any, chat: Any) -> None:

@@ -131,6 +131,9 @@ class Turn:
     Chat envs: tool results are in ``prompt_ids`` (never in ``response_mask``);
     ``prefix_break``: the template re-rendered earlier history at this turn, so the ids
     (exactly what the engine saw) differ from a fresh render (``rollpipe.agent.dialog``).
+    ``new_row``: this turn's ``prompt_ids`` are its whole prompt, with no earlier turn's
+    ids before them (an agent that rewrote its history, ``rollpipe.frontdoor``): rows
+    built from the trajectory start a new row here.
     """
 
     prompt_ids: tuple[int, ...] = attrs.field(converter=_ints)
@@ -144,6 +147,7 @@ class Turn:
     observation: str
     stepped: bool = attrs.field(default=True, converter=bool)
     prefix_break: bool = attrs.field(default=False, converter=bool)
+    new_row: bool = attrs.field(default=False, converter=bool)
     # Packed copies for collation, made here, on the rollout loop while the engine
     # generates, so building a batch copies arrays instead of converting Python ints.
     token_array: np.ndarray = attrs.field(init=False, eq=False, repr=False)
@@ -188,6 +192,7 @@ class Turn:
             "observation": self.observation,
             "stepped": self.stepped,
             "prefix_break": self.prefix_break,
+            "new_row": self.new_row,
         }
 
     @classmethod
@@ -204,6 +209,7 @@ class Turn:
             observation=state["observation"],
             stepped=state["stepped"],
             prefix_break=state.get("prefix_break", False),  # absent in older checkpoints
+            new_row=state.get("new_row", False),
         )
 
 

@@ -43,7 +43,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from rollpipe.agent.records import Trajectory
+from rollpipe.agent.records import Trajectory, Turn
 from rollpipe.data.padding import FlatLayout, flat_layout, padded_tokens
 from rollpipe.data.proto import DataProto
 from rollpipe.data.proto.columns import object_array
@@ -184,6 +184,16 @@ def _check(trajectories: Sequence[Trajectory], need_conversation: bool) -> None:
             )
 
 
+def _segments(turns: Sequence[Turn]) -> list[list[Turn]]:
+    """``turns`` cut before each ``new_row`` turn (one segment for most trajectories)."""
+    segments: list[list[Turn]] = []
+    for u in turns:
+        if u.new_row or not segments:
+            segments.append([])
+        segments[-1].append(u)
+    return segments
+
+
 def _ids_fields(trajectories: Sequence[Trajectory], repeats: Sequence[int]) -> dict[str, Any]:
     def col(values: list[Any], dtype: torch.dtype) -> torch.Tensor:
         return torch.repeat_interleave(torch.tensor(values, dtype=dtype), torch.tensor(repeats))
@@ -233,22 +243,30 @@ def trajectory_rows(
 
     Needs conversation-mode trajectories with at least one turn. ``scores`` holds the
     episode score on the last (response) token; ``prompt_mask`` covers the first prompt.
+    A trajectory whose turns start new rows (``Turn.new_row``: an agent that rewrote
+    its history) gives one row per such segment, each with the episode's labels and
+    score: the engine never saw the segments as one sequence.
     """
     trajs = list(trajectories)
     _check(trajs, need_conversation=True)
     stream = _Stream(trajs)
     rows = _Rows()
+    counts: list[int] = []
     for t, start in zip(trajs, stream.starts, strict=True):
-        runs = [
-            run
-            for u in t.turns
-            for run in ((len(u.prompt_ids), False), (len(u.response_ids), True))
-        ]
-        rows.add_row(start, runs, t.score)
-    ones = [1] * len(trajs)
+        offset = 0
+        for segment in _segments(t.turns):
+            runs = [
+                run
+                for u in segment
+                for run in ((len(u.prompt_ids), False), (len(u.response_ids), True))
+            ]
+            rows.add_row(start + offset, runs, t.score)
+            offset += sum(n for n, _ in runs)
+        counts.append(len(_segments(t.turns)))
     tensors = rows.tensors(stream, pad_token_id, padding_side, pad_to_multiple_of)
-    tensors.update(_ids_fields(trajs, ones))
-    non_tensors = _label_columns(trajs, ones, [t.step_scores for t in trajs])
+    tensors.update(_ids_fields(trajs, counts))
+    step_scores = _repeat([t.step_scores for t in trajs], counts)
+    non_tensors = _label_columns(trajs, counts, step_scores)
     return DataProto.from_dict(
         tensors=tensors, non_tensors=non_tensors, meta_info=dict(meta_info or {})
     )
@@ -280,11 +298,13 @@ def step_rows(
     rewards: list[float] = []
     for t, start in zip(trajs, stream.starts, strict=True):
         offset = 0  # where this turn's prompt starts, from the trajectory's start
+        row = 0  # where the turn's row (segment) starts: a new_row turn starts one
         for i, u in enumerate(t.turns):
             prompt, response = len(u.prompt_ids), len(u.response_ids)
-            # conversation mode: all earlier turns, then this turn's prompt (one slice)
-            context = offset + prompt if t.history_window is None else prompt
-            row_start = start if t.history_window is None else start + offset
+            row = offset if u.new_row else row
+            # conversation mode: the row's earlier turns, then this turn's prompt (one slice)
+            context = offset - row + prompt if t.history_window is None else prompt
+            row_start = start + row if t.history_window is None else start + offset
             rows.add_row(row_start, [(context, False), (response, True)], u.reward)
             offset += prompt + response
             steps.append(i)

@@ -8,10 +8,10 @@ are kept, never re-tokenized. Otherwise (the agent edited its history, changed i
 tools, or the template re-rendered earlier turns) a new row of the same trajectory
 starts from a fresh render of the request, and ``prefix_breaks`` counts it.
 
-``trajectory()`` turns the rows into a :class:`~rollpipe.agent.records.Trajectory`. One
-row: a conversation-mode trajectory, as any chat env gives. Several rows: every turn
-holds its whole prompt (``history_window=0``), so ``step_rows`` gives exactly each
-request's tokens and ``trajectory_rows`` refuses it instead of joining unrelated rows.
+``trajectory()`` turns the rows into a :class:`~rollpipe.agent.records.Trajectory`, a
+conversation-mode one as any chat env gives; the first turn of each later row is marked
+``Turn.new_row`` (its ``prompt_ids`` are its whole prompt), so ``trajectory_rows`` gives
+one row per session row and ``step_rows`` exactly each request's tokens.
 """
 
 from __future__ import annotations
@@ -164,6 +164,7 @@ class AgentSession:
             action_text=action.text,
             observation=messages_text([_shown(m) for m in prompt.new]),
             prefix_break=prompt.new_row,
+            new_row=prompt.new_row,
         )
         self.rows[-1].append(turn)
         self.tool_calls += len(action.tool_calls)
@@ -185,11 +186,7 @@ class AgentSession:
         env_id: int = 0,
     ) -> Trajectory:
         """The session's rows as a Trajectory; ``reward`` goes on the last turn."""
-        rows = [row for row in self.rows if row]
-        if len(rows) > 1:  # every turn its whole prompt (see the module doc)
-            turns = [t for row in rows for t in _whole_prompts(row)]
-        else:
-            turns = list(rows[0]) if rows else []
+        turns = [t for row in self.rows for t in row]  # later rows start with a new_row turn
         if turns:
             turns[-1] = attrs.evolve(turns[-1], reward=reward)
         text = None if error is None else str(error) if isinstance(error, str) else repr(error)
@@ -208,7 +205,7 @@ class AgentSession:
             error=text,
             engine_time_s=self.clock.engine,
             aborted_tokens=self.clock.aborted_tokens,
-            history_window=0 if len(rows) > 1 else None,
+            history_window=None,
             env_metrics={
                 "prefix_breaks": float(self.prefix_breaks),
                 "tool/calls": float(self.tool_calls),
@@ -225,15 +222,4 @@ def _shown(message: Mapping[str, Any]) -> dict[str, str]:
     out = {"role": str(message["role"]), "content": str(message.get("content") or "")}
     if message.get("name"):
         out["name"] = str(message["name"])
-    return out
-
-
-def _whole_prompts(row: list[Turn]) -> list[Turn]:
-    """A row's turns, each holding its whole prompt (earlier turns' ids included)."""
-    out: list[Turn] = []
-    context: list[int] = []
-    for turn in row:
-        prompt = [*context, *turn.prompt_ids]
-        out.append(attrs.evolve(turn, prompt_ids=prompt))
-        context = [*prompt, *turn.response_ids]
     return out
