@@ -239,3 +239,52 @@ def test_the_docs_loop_runs(tmp_path: Path) -> None:
         .replace("max_steps=100", "max_steps=2, use_cpu=True")  # CPU-only here
     )
     exec(compile(code, "docs/trl.md", "exec"), {})
+
+
+def fake_trainer(**kw: Any) -> Any:
+    """What TRLRollout reads of a GRPOTrainer, for the checks that fail before any work."""
+    from types import SimpleNamespace
+
+    fields = {"num_generations": GROUP, "temperature": 1.0, "tools": [], "training": True}
+    fields.update(kw)
+    model = SimpleNamespace(training=fields.pop("training"))
+    return SimpleNamespace(model=model, state=SimpleNamespace(global_step=0), **fields)
+
+
+@pytest.mark.parametrize(
+    ("trainer", "n", "match"),
+    [
+        (fake_trainer(temperature=0.7), 4, "GRPOConfig.temperature=0.7 but the pipeline samples"),
+        (fake_trainer(tools=[len]), 4, "TRL would run its own tool loop"),
+        (fake_trainer(training=False), 4, "eval_strategy='no'"),
+        (fake_trainer(), 3, "3 completions on this process, not a multiple of group_size=2"),
+    ],
+)
+def test_checks_name_what_to_change(trainer: Any, n: int, match: str) -> None:
+    from rollpipe.engines.scripted import ScriptedEngine
+
+    path = warm_start_model_path()
+    with ScriptedEngine(lambda prompt, params: [0]) as engine:
+        rollout = pipeline_rollout(config(), engine, path)
+        try:
+            with pytest.raises((ValueError, NotImplementedError), match=match):
+                rollout([""] * n, trainer)
+            assert engine.version == 0
+        finally:
+            rollout.pipeline.close()
+
+
+def test_rows_must_be_trajectory_rows() -> None:
+    from rollpipe.engines.scripted import ScriptedEngine
+
+    path = warm_start_model_path()
+    eot = [1]
+    with (
+        ScriptedEngine(lambda prompt, params: eot) as engine,
+        RolloutPipeline(config(collate={"level": "step"}, history_window=2), engine, path) as pipe,
+    ):
+        batch = pipe.get_batch()
+        with pytest.raises(ValueError, match="level='trajectory'"):
+            trl_fields(batch)
+    with pytest.raises(ValueError, match="give a pipeline alone"):
+        pipeline_rollout(pipe, engine)

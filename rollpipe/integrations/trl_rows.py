@@ -34,12 +34,11 @@ NEEDED_FIELDS = (
 def _tensors(batch: DataProto) -> TensorDictBase:
     """The batch's tensors, checked to hold ``NEEDED_FIELDS``."""
     tensors = batch.batch
-    missing = (
-        list(NEEDED_FIELDS) if tensors is None else [k for k in NEEDED_FIELDS if k not in tensors]
-    )
-    if missing or tensors is None:
+    keys = set() if tensors is None else set(tensors.keys())
+    missing = [k for k in NEEDED_FIELDS if k not in keys]
+    if missing or tensors is None or "step" in keys:  # step rows carry a ``step`` field
         raise ValueError(
-            f"trl_fields: the batch has no {missing} field(s); build the pipeline with "
+            f"trl_fields: the batch lacks {missing} or holds step rows; build the pipeline with "
             "collate level='trajectory' and layout='native' (the defaults)"
         )
     return tensors
