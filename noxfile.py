@@ -1,5 +1,6 @@
 """Developer and CI entry points: `nox -s tests`, `nox -s lint`, `nox -s typecheck`, `nox -s demo`,
-`nox -s compat`, `nox -s bench`.
+`nox -s compat`, `nox -s bench`, one session per env ecosystem (`gem`, `reasoning-gym`,
+`textarena`, `openenv`) and `nox -s trl`.
 
 Every session installs what it needs into its own virtualenv, so a fresh machine needs
 nothing but Python and nox.
@@ -155,3 +156,13 @@ def textarena(session: nox.Session) -> None:
 def openenv(session: nox.Session) -> None:
     """An OpenEnv env server (served here by the adapter) through rollpipe.envs.adapters.openenv."""
     ecosystem_tests(session, "openenv")
+
+
+@nox.session(python=PYTHON)
+def trl(session: nox.Session) -> None:
+    """TRL's real GRPOTrainer on rollpipe rollouts, and TRL environments in rollpipe
+    (rollpipe.integrations.trl / trl_env)."""
+    install_project(session, "cpu,dev,trl")
+    session.run("python", "-c", "import trl.trainer.grpo_trainer")  # a broken install fails here
+    tests = ["tests/test_trl_rollout.py", "tests/test_trl_env.py"]
+    session.run("pytest", *tests, *(session.posargs or ["-q"]))

@@ -32,6 +32,8 @@ _EXPORTS: dict[str, str] = {
     "AgentEnv": "rollpipe.frontdoor.agent",
     "AgentResult": "rollpipe.frontdoor.agent",
     "FrontDoor": "rollpipe.frontdoor.server",
+    "TRLEnv": "rollpipe.integrations.trl_env",
+    "pipeline_rollout": "rollpipe.integrations.trl",
     "run_episode": "rollpipe.agent.episode",
     "trajectory_rows": "rollpipe.data.rows",
     "to_roll": "rollpipe.data.roll_layout",
@@ -92,6 +94,8 @@ if TYPE_CHECKING:
     from rollpipe.envs.tool_env import ToolEnv
     from rollpipe.frontdoor.agent import AgentEnv, AgentResult
     from rollpipe.frontdoor.server import FrontDoor
+    from rollpipe.integrations.trl import pipeline_rollout
+    from rollpipe.integrations.trl_env import TRLEnv
     from rollpipe.nodes.batch import Batch, TrajectoryBatch
     from rollpipe.nodes.collate import Collate, CollateSettings
     from rollpipe.nodes.dataset import DatasetSettings
