@@ -93,8 +93,9 @@ def expert_episodes(
     from rollpipe.nodes.episode_source import EnvChoice
     from rollpipe.pipeline import PipelineConfig, RolloutPipeline
 
+    env_config: dict[str, Any] = {"digits": digits}
     config = PipelineConfig(
-        envs=EnvChoice("calculator", {"digits": digits}),
+        envs=EnvChoice("calculator", env_config),
         group_size=1,
         batch_size=min(chunk, episodes),
         num_groups=episodes,
