@@ -46,6 +46,7 @@ BENCHMARKS = (
     "remote",
     "learning",
     "turn_cost",
+    "tool_turn",
     "frontdoor",
 )
 NEEDS_ENGINE = {
@@ -144,6 +145,8 @@ SUMMARY = (
         "—",
         "{:.2f}×",
     ),
+    ("11", "CPU per tool turn, 8 turns/episode", "tool_turn_cpu_us_8turns", "—", "{:.0f} µs"),
+    ("11", "CPU per tool turn, 32 turns/episode", "tool_turn_cpu_us_32turns", "—", "{:.0f} µs"),
 )
 
 
