@@ -7,6 +7,7 @@ given or fail on purpose; nothing stands in for an engine or an env.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 from typing import Any
 
@@ -503,4 +504,4 @@ def test_prompts_handed_to_the_engine_are_never_changed_afterwards(tokenizer: An
     assert len(kept) == len(traj.turns) >= 2
     for given, then in kept:
         assert given == then
-    assert all(len(a[0]) < len(b[0]) for a, b in zip(kept, kept[1:], strict=False))
+    assert all(len(a[0]) < len(b[0]) for a, b in itertools.pairwise(kept))
