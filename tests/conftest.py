@@ -3,10 +3,14 @@
 Engines are expensive to start, so each kind is created once per test session and
 shared. A test that pauses an engine need not clean up: an autouse fixture resumes
 every shared engine after each test.
+
+The TRL tests run only where TRL is installed (``nox -s trl``); elsewhere they are not
+collected (no skipped tests), as ``tests/compat`` and ``tests/ecosystems`` do.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +20,10 @@ import pytest
 from rollpipe.engines.tiny_model import default_model_path
 
 _SHARED_ENGINES: list[Any] = []
+
+collect_ignore = (
+    [] if importlib.util.find_spec("trl") else ["test_trl_rollout.py", "test_trl_env.py"]
+)
 
 
 @pytest.fixture(scope="session")
