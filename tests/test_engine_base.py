@@ -125,16 +125,17 @@ def test_check_prompt() -> None:
     parts=st.lists(st.lists(st.integers(0, 40), max_size=6), max_size=6),
     vocab=st.integers(1, 45),
     in_place=st.booleans(),
+    trusted=st.booleans(),
 )
-def test_checked_ids_are_checked_by_their_bounds(parts, vocab, in_place) -> None:
+def test_checked_ids_are_checked_by_their_bounds(parts, vocab, in_place, trusted) -> None:
     """A prompt grown from checked parts passes check_prompt exactly when the same ids as
     a plain list do, without a copy; only the appended part is ever converted."""
     ids = CheckedIds()
     for part in parts:
         if in_place:
-            ids.extend_checked(part)
+            ids.extend_checked(part, trusted=trusted)
         else:
-            ids = ids.extended(part)
+            ids = ids.extended(part, trusted=trusted)
     flat = [i for part in parts for i in part]
     assert list(ids) == flat
     try:
@@ -154,7 +155,9 @@ def test_checked_ids_refuse_bad_parts() -> None:
     for bad in ([-1], [1.5], ["a"], [[1]]):
         with pytest.raises(ValueError, match="prompt_ids"):
             ids.extended(bad)  # type: ignore[arg-type]
-    assert ids.extended(torch.tensor([7])) == [1, 2, 7]
+    assert ids.extended(torch.tensor([7]), trusted=True) == [1, 2, 7]  # not a list: checked
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        ids.extended([3, -1], trusted=True)  # a trusted part's bounds are still read
     assert ids == [1, 2] and (ids.low, ids.high) == (1, 2)
 
 

@@ -339,7 +339,8 @@ async def run_episode(
                 added = dialog.first_prompt(observation)
             else:
                 added, broke = dialog.continuation(observation, turns[-1].response_ids)
-            prompt = added if windowed else context.extended(added)  # a copy: the engine's
+            # a copy for the engine; the tokenizer's and the engine's ids are trusted ints
+            prompt = added if windowed else context.extended(added, trusted=True)
             budget = s.max_length - len(prompt)
             if budget < 1:
                 end_reason = "max_length"
@@ -362,8 +363,8 @@ async def run_episode(
             fields = _turn(added, gen, text, messages_text(observation))
             fields["prefix_break"] = broke
             if not windowed:  # grown in place; the engine keeps its own copy, prompt
-                context.extend_checked(added)
-                context.extend_checked(gen.token_ids)
+                context.catch_up(prompt)  # type: ignore[arg-type]
+                context.extend_checked(gen.token_ids, trusted=True)
             if gen.finish_reason == "length" and on_length != "step":
                 turns.append(Turn(**fields, reward=penalty, action_valid=False, stepped=False))
                 if on_length == "end":

@@ -42,23 +42,34 @@ class CheckedIds(list[int]):
         self.low = min(checked) if checked else None
         self.high = max(checked) if checked else None
 
-    def extended(self, part: PromptIds) -> CheckedIds:
-        """A copy with ``part`` appended (only ``part`` is checked)."""
+    def extended(self, part: PromptIds, *, trusted: bool = False) -> CheckedIds:
+        """A copy with ``part`` appended (only ``part`` is checked; see ``extend_checked``)."""
         out = CheckedIds()
         list.extend(out, self)
         out.low, out.high = self.low, self.high
-        out.extend_checked(part)
+        out.extend_checked(part, trusted=trusted)
         return out
 
-    def extend_checked(self, part: PromptIds) -> None:
-        """Append ``part`` in place, checking only it."""
+    def extend_checked(self, part: PromptIds, *, trusted: bool = False) -> None:
+        """Append ``part`` in place, checking only it. ``trusted``: ``part`` is a list or
+        tuple of Python ints as a tokenizer or an engine gives them, so only its bounds
+        are read (at C speed); anything else is converted and checked in bulk."""
         if not len(part):
             return
-        ids = _converted(part)
+        trust = trusted and type(part) in (list, tuple)
+        ids = part if trust else _converted(part)
         list.extend(self, ids)
         low, high = min(ids), max(ids)
+        if low < 0:
+            raise ValueError(f"prompt_ids holds ids outside the vocabulary: {low} < 0")
         self.low = low if self.low is None else min(self.low, low)
         self.high = high if self.high is None else max(self.high, high)
+
+    def catch_up(self, longer: CheckedIds) -> None:
+        """Append in place what ``longer`` (this list plus more: an ``extended`` copy)
+        holds past this list's end, taking its bounds: nothing is checked twice."""
+        list.extend(self, longer[len(self) :])
+        self.low, self.high = longer.low, longer.high
 
 
 def _converted(prompt_ids: PromptIds) -> list[int]:
