@@ -234,3 +234,28 @@ def test_tool_episodes_on_the_real_vllm_engine() -> None:
         rows = trajectory_rows([traj], pad_token_id=0)
         n = sum(len(t.prompt_ids) + len(t.response_ids) for t in traj.turns)
         assert rows.batch["attention_mask"].sum() == n
+
+
+def test_tool_episodes_in_roll_and_verl_layouts(tool_tokenizer: Any) -> None:
+    """ROLL's and verl's layouts of a tool episode keep the tool result out of the
+    response mask: only the model's tokens are 1, in both, for trajectory and step rows."""
+    from rollpipe.data.roll_layout import to_roll
+    from rollpipe.data.verl_layout import verl_parts
+
+    traj, _ = run(tool_tokenizer, [call("add", a=2, b=3) + EOT, "It is 5." + EOT])
+    generated = sum(len(t.response_ids) for t in traj.turns)
+    native = trajectory_rows([traj], pad_token_id=0)
+    roll = to_roll(native)
+    assert int(roll.batch["response_mask"].sum()) == generated
+    assert roll.batch["input_ids"][0][roll.batch["attention_mask"][0].bool()].tolist() == [
+        i for t in traj.turns for i in (*t.prompt_ids, *t.response_ids)
+    ]
+    tensors, _, _ = verl_parts(native)
+    assert int(tensors["response_mask"].sum()) == generated
+    result = list(traj.turns[1].prompt_ids)  # the tool message: in responses, mask 0
+    responses, mask = tensors["responses"][0].tolist(), tensors["response_mask"][0].tolist()
+    start = next(k for k in range(len(responses)) if responses[k : k + len(result)] == result)
+    assert not any(mask[start : start + len(result)])
+    steps = step_rows([traj], pad_token_id=0)
+    assert int(to_roll(steps).batch["response_mask"].sum()) == generated
+    assert int(verl_parts(steps)[0]["response_mask"].sum()) == generated
