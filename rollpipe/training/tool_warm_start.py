@@ -34,7 +34,12 @@ from rollpipe._utils.seeding import derive_seed
 from rollpipe.engines.tiny_model import _cache_root, build_tiny_model
 from rollpipe.training.sft import length_batches, train_sft
 from rollpipe.training.tool_expert import expert_episodes
-from rollpipe.training.warm_start import FORMAT_VERSION, RECIPE_FILE, _recipe_of
+from rollpipe.training.warm_start import (
+    FORMAT_VERSION,
+    RECIPE_FILE,
+    _recipe_of,
+    save_warm_start,
+)
 
 __all__ = [
     "DEFAULT_TOOL_RECIPE",
@@ -127,7 +132,6 @@ def build_tool_warm_start(
     Torch runs on ``recipe.threads`` threads during the build, so the same recipe gives
     the same weights on the same machine and software.
     """
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = Path(path)
@@ -158,21 +162,17 @@ def build_tool_warm_start(
         )
     finally:
         torch.set_num_threads(threads)
-    weights = {
-        k: v.detach().to(torch.float16).contiguous() for k, v in sorted(model.state_dict().items())
-    }
-    weights.pop("lm_head.weight", None)  # tied to the embedding
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "model.safetensors").chmod(0o644)
     last = history[-20:]
-    summary = {
-        "format": FORMAT_VERSION,
-        "recipe": recipe.as_dict(),
-        "expert_seconds": round(data_seconds, 1),
-        "train_seconds": round(time.perf_counter() - start, 1),
-        "final_loss": round(sum(h["format"] for h in last) / max(1, len(last)), 4),
-    }
-    (out / RECIPE_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    save_warm_start(
+        model,
+        out,
+        {
+            "recipe": recipe.as_dict(),
+            "expert_seconds": round(data_seconds, 1),
+            "train_seconds": round(time.perf_counter() - start, 1),
+            "final_loss": round(sum(h["format"] for h in last) / max(1, len(last)), 4),
+        },
+    )
     return out
 
 

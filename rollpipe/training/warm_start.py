@@ -201,7 +201,6 @@ def build_warm_start(
     Takes minutes on two CPU cores. Torch runs on ``recipe.threads`` threads during the
     build, so the same recipe gives the same weights on the same machine and software.
     """
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = Path(path)
@@ -238,24 +237,36 @@ def build_warm_start(
         )
     finally:
         torch.set_num_threads(threads)
-    # Stored in float16 (half the bytes; the package ships it): transformers and vLLM
-    # load it into the float32 model that config.json declares.
+    last = history[-20:]
+    save_warm_start(
+        model,
+        out,
+        {
+            "recipe": recipe.as_dict(),
+            "train_seconds": round(time.perf_counter() - start, 1),
+            "final_action_loss": round(sum(h["action"] for h in last) / max(1, len(last)), 4),
+            "final_action_acc": round(sum(h["action_acc"] for h in last) / max(1, len(last)), 4),
+        },
+    )
+    return out
+
+
+def save_warm_start(model: Any, out: Path, summary: dict[str, Any]) -> None:
+    """Write ``model``'s weights and ``summary`` (with the format version) into ``out``.
+
+    Weights are stored in float16 (half the bytes; the package ships them): transformers
+    and vLLM load them into the float32 model that config.json declares.
+    """
+    from safetensors.torch import save_file
+
     weights = {
         k: v.detach().to(torch.float16).contiguous() for k, v in sorted(model.state_dict().items())
     }
     weights.pop("lm_head.weight", None)  # tied to the embedding
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)
-    last = history[-20:]
-    summary = {
-        "format": FORMAT_VERSION,
-        "recipe": recipe.as_dict(),
-        "train_seconds": round(time.perf_counter() - start, 1),
-        "final_action_loss": round(sum(h["action"] for h in last) / max(1, len(last)), 4),
-        "final_action_acc": round(sum(h["action_acc"] for h in last) / max(1, len(last)), 4),
-    }
+    summary = {"format": FORMAT_VERSION, **summary}
     (out / RECIPE_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    return out
 
 
 def _recipe_of(path: Path) -> dict[str, Any] | None:
