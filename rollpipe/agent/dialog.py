@@ -12,10 +12,10 @@ the model's response as the model wrote it.
 
 Prefix breaks. A template that is not append-only (e.g. one that drops the reasoning
 of earlier assistant turns once a new user turn comes) renders the history differently
-once messages are added. rollpipe then does what verl's and ROLL's agent loops do:
-**it continues the exact tokens** — the model's tokens and everything already sent stay
-as they were, so the row is still exactly what the engine saw — and appends the new
-messages as the template renders them right after an assistant turn. The turn records
+once messages are added. rollpipe then **continues the exact tokens** — the model's
+tokens and everything already sent stay as they were, so the row is still exactly
+what the engine saw — and appends the new messages as the template renders them right
+after an assistant turn. The turn records
 ``prefix_break=True``: the row differs from a fresh render of the whole conversation
 (which the model never saw), and a trainer that re-renders would train on other tokens.
 """
