@@ -36,7 +36,6 @@ from rollpipe.agent.generation_timeout import GenerationTimeoutError
 from rollpipe.agent.records import EpisodeSpec, Trajectory
 from rollpipe.engines.protocol import Engine
 from rollpipe.engines.records import EngineError, SamplingParams
-from rollpipe.engines.routing import Session
 from rollpipe.frontdoor.requests import ChatRequest, RequestError, parse_chat_request
 from rollpipe.frontdoor.responses import completion_body, models_body, stream_chunks
 from rollpipe.frontdoor.session import AgentSession
@@ -278,7 +277,6 @@ class FrontDoor:
                 code="context_length_exceeded",
             )
         params = self._params(session, request, budget)
-        routing = Session(session.spec.episode_id)
         try:
             gen = await generate_turn(
                 self.engine,
@@ -287,7 +285,7 @@ class FrontDoor:
                 session.admit,
                 s.max_aborts,
                 session.clock,
-                routing,
+                session.route,
                 s.generation_timeout_s,
             )
         except (GenerationTimeoutError, EngineError) as exc:

@@ -31,6 +31,7 @@ from rollpipe.agent.records import EndReason, EpisodeSpec, Trajectory, Turn
 from rollpipe.agent.tools import tool_set
 from rollpipe.engines.inputs import CheckedIds
 from rollpipe.engines.records import Generation
+from rollpipe.engines.routing import Session
 from rollpipe.frontdoor.requests import ChatRequest, RequestError, normalise_message
 
 __all__ = ["AgentSession", "Prompt"]
@@ -72,6 +73,7 @@ class AgentSession:
         self.finished = False
         self.failure: BaseException | None = None  # an engine error or request timeout
         self.in_flight: set[asyncio.Task[Any]] = set()
+        self.route = Session(spec.episode_id)  # an engine pool keeps its calls on one rank
         self._dialog: Dialog | None = None
         self._tools: tuple[dict[str, Any], ...] = ()
         self._context = CheckedIds()  # the current row's ids so far
