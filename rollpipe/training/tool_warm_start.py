@@ -15,12 +15,10 @@ built from the requested recipe, else builds it once into the user cache (loggin
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import logging
 import os
-import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -31,14 +29,13 @@ import attrs
 import torch
 
 from rollpipe._utils.seeding import derive_seed
-from rollpipe.engines.tiny_model import _cache_root, build_tiny_model
 from rollpipe.training.sft import length_batches, train_sft
 from rollpipe.training.tool_expert import expert_episodes
-from rollpipe.training.warm_start import (
-    FORMAT_VERSION,
+from rollpipe.training.warm_start_files import (
     RECIPE_FILE,
-    _recipe_of,
+    cached_build,
     save_warm_start,
+    write_model_files,
 )
 
 __all__ = [
@@ -83,39 +80,12 @@ class ToolWarmStartRecipe:
 DEFAULT_TOOL_RECIPE = ToolWarmStartRecipe()
 
 
-def _write_model_files(out: Path, recipe: ToolWarmStartRecipe) -> None:
-    """The tiny tools model's files at the recipe's size (random weights, replaced
-    later). Heads narrower than 64 (vLLM's CPU attention takes 32) are written as
-    64-wide heads, then re-declared: the weight shapes are the same either way."""
-    if recipe.hidden_size % recipe.num_heads:
-        raise ValueError(
-            f"ToolWarmStartRecipe: hidden_size {recipe.hidden_size} is not a multiple of "
-            f"num_heads {recipe.num_heads}"
-        )
-    wide = max(1, recipe.hidden_size // 64)
-    build_tiny_model(
-        out,
-        recipe.seed,
-        hidden_size=recipe.hidden_size,
-        num_layers=recipe.num_layers,
-        num_heads=wide,
-        num_kv_heads=wide,
-        intermediate_size=recipe.intermediate_size,
-        init_std=0.02,
-        tools=True,
-    )
-    config_path = out / "config.json"
-    config = json.loads(config_path.read_text())
-    config["num_attention_heads"] = config["num_key_value_heads"] = recipe.num_heads
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
 def initial_weights(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """The untrained weights a build at ``path``'s recipe starts from (for baselines)."""
     data = json.loads((Path(path) / RECIPE_FILE).read_text())
     recipe = ToolWarmStartRecipe(**data["recipe"])
     with tempfile.TemporaryDirectory() as tmp:
-        _write_model_files(Path(tmp), recipe)
+        write_model_files(Path(tmp), recipe, tools=True)
         from safetensors.torch import load_file
 
         return load_file(str(Path(tmp) / "model.safetensors"))
@@ -135,7 +105,7 @@ def build_tool_warm_start(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = Path(path)
-    _write_model_files(out, recipe)
+    write_model_files(out, recipe, tools=True)
     tokenizer = AutoTokenizer.from_pretrained(out)
     threads = torch.get_num_threads()
     torch.set_num_threads(recipe.threads)
@@ -179,25 +149,12 @@ def build_tool_warm_start(
 def tool_warm_start_model_path(recipe: ToolWarmStartRecipe = DEFAULT_TOOL_RECIPE) -> Path:
     """The tools warm start for ``recipe``: the shipped copy when it matches, else built
     once (minutes) into the user cache (``$ROLLPIPE_CACHE_DIR`` or ``~/.cache/rollpipe``)."""
-    if _recipe_of(TOOL_SHIPPED_DIR) == recipe.as_dict():
-        return TOOL_SHIPPED_DIR
-    key = json.dumps({"format": FORMAT_VERSION, **recipe.as_dict()}, sort_keys=True)
-    final = _cache_root() / f"tool-warm-start-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    if _recipe_of(final) == recipe.as_dict():
-        return final
-    _log.warning(
-        "building the tools warm start into %s (a few minutes on 2 CPU cores, once)", final
+    return cached_build(
+        recipe,
+        shipped=TOOL_SHIPPED_DIR,
+        prefix="tool-warm-start",
+        build=lambda tmp: build_tool_warm_start(tmp, recipe),
+        before_build=lambda final: _log.warning(
+            "building the tools warm start into %s (a few minutes on 2 CPU cores, once)", final
+        ),
     )
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-    try:
-        build_tool_warm_start(tmp, recipe)
-        tmp.chmod(0o755)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if _recipe_of(final) != recipe.as_dict():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final

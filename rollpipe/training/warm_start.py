@@ -19,13 +19,10 @@ built once into the user cache (like the tiny model) and reused.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import os
 import random
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,11 +33,15 @@ import torch
 
 from rollpipe._utils.seeding import derive_seed
 from rollpipe.agent.chat import DEFAULT_SYSTEM_PROMPT, ChatFormat
-from rollpipe.engines.tiny_model import _cache_root, build_tiny_model
 from rollpipe.envs.frozenlake import FrozenLake
 from rollpipe.envs.sokoban import Sokoban
 from rollpipe.training.expert import ExpertEpisode, action_token_ids, expert_episode
 from rollpipe.training.sft import length_batches, train_sft
+from rollpipe.training.warm_start_files import (
+    cached_build,
+    save_warm_start,
+    write_model_files,
+)
 
 __all__ = [
     "DEFAULT_RECIPE",
@@ -51,10 +52,8 @@ __all__ = [
     "warm_start_model_path",
 ]
 
-FORMAT_VERSION = 1  # bump when the same recipe writes different files
 GRID_CHARS = frozenset("_HPGXW#O*S")  # FrozenLake and Sokoban cells
 SHIPPED_DIR = Path(__file__).resolve().parent / "warm_start_model"
-RECIPE_FILE = "rollpipe_recipe.json"
 
 
 def _stages(value: Any) -> tuple[tuple[int, int, int], ...]:
@@ -125,30 +124,8 @@ def _grid_free(tokenizer_json: str) -> str:
 
 
 def _write_model_files(out: Path, recipe: WarmStartRecipe) -> None:
-    """The tiny model's files at the recipe's size (random weights, replaced later) and
-    the grid-free tokenizer. Heads narrower than 64 (vLLM's CPU attention takes 32) are
-    written by building 64-wide heads and re-declaring the count: the weight shapes of
-    ``hidden_size`` split either way are the same."""
-    if recipe.hidden_size % recipe.num_heads:
-        raise ValueError(
-            f"WarmStartRecipe: hidden_size {recipe.hidden_size} is not a multiple of "
-            f"num_heads {recipe.num_heads}"
-        )
-    wide = max(1, recipe.hidden_size // 64)
-    build_tiny_model(
-        out,
-        recipe.seed,
-        hidden_size=recipe.hidden_size,
-        num_layers=recipe.num_layers,
-        num_heads=wide,
-        num_kv_heads=wide,
-        intermediate_size=recipe.intermediate_size,
-        init_std=0.02,
-    )
-    config_path = out / "config.json"
-    config = json.loads(config_path.read_text())
-    config["num_attention_heads"] = config["num_key_value_heads"] = recipe.num_heads
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    """The tiny model's files at the recipe's size and the grid-free tokenizer."""
+    write_model_files(out, recipe)
     tok_path = out / "tokenizer.json"
     tok_path.write_text(_grid_free(tok_path.read_text()))
 
@@ -251,54 +228,12 @@ def build_warm_start(
     return out
 
 
-def save_warm_start(model: Any, out: Path, summary: dict[str, Any]) -> None:
-    """Write ``model``'s weights and ``summary`` (with the format version) into ``out``.
-
-    Weights are stored in float16 (half the bytes; the package ships them): transformers
-    and vLLM load them into the float32 model that config.json declares.
-    """
-    from safetensors.torch import save_file
-
-    weights = {
-        k: v.detach().to(torch.float16).contiguous() for k, v in sorted(model.state_dict().items())
-    }
-    weights.pop("lm_head.weight", None)  # tied to the embedding
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "model.safetensors").chmod(0o644)
-    summary = {"format": FORMAT_VERSION, **summary}
-    (out / RECIPE_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-
-
-def _recipe_of(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads((path / RECIPE_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    if data.get("format") != FORMAT_VERSION or not (path / "model.safetensors").is_file():
-        return None
-    recipe = data.get("recipe")
-    return recipe if isinstance(recipe, dict) else None
-
-
 def warm_start_model_path(recipe: WarmStartRecipe = DEFAULT_RECIPE) -> Path:
     """The warm start for ``recipe``: the shipped copy when it matches, else built once
     (minutes) into the user cache (``$ROLLPIPE_CACHE_DIR`` or ``~/.cache/rollpipe``)."""
-    if _recipe_of(SHIPPED_DIR) == recipe.as_dict():
-        return SHIPPED_DIR
-    key = json.dumps({"format": FORMAT_VERSION, **recipe.as_dict()}, sort_keys=True)
-    final = _cache_root() / f"warm-start-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    if _recipe_of(final) == recipe.as_dict():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-    try:
-        build_warm_start(tmp, recipe)
-        tmp.chmod(0o755)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if _recipe_of(final) != recipe.as_dict():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return cached_build(
+        recipe,
+        shipped=SHIPPED_DIR,
+        prefix="warm-start",
+        build=lambda tmp: build_warm_start(tmp, recipe),
+    )
