@@ -32,7 +32,8 @@ from rollpipe.grpo import token_logprobs
 from rollpipe.pipeline import RolloutPipeline
 from rollpipe.training.evaluate import evaluate, random_valid_success
 from rollpipe.training.grpo_loop import train_grpo
-from rollpipe.training.warm_start import RECIPE_FILE, warm_start_model_path
+from rollpipe.training.warm_start import warm_start_model_path
+from rollpipe.training.warm_start_files import RECIPE_FILE
 
 GRPO = {"batch_size": 128, "group_size": 8, "lr": 2e-4, "warmup": 5, "turn_weight": 1.0}
 
