@@ -15,7 +15,9 @@ end before ``T`` turns, and each turn sends about the same tokens:
   answered inline with the same words as a user turn.
 
 Figures: ``tool_turn_cpu_us_{T}turns`` and ``text_turn_cpu_us_{T}turns`` (µs per turn at
-``T`` = 8 and 32 turns), and ``tool_turn_overhead_us_{T}turns`` (their difference).
+``T`` = 8, 32 and 128 turns), ``tool_turn_overhead_us_{T}turns`` (their difference) and
+``tool_turn_cpu_128_over_32`` (the tool turn's cost per turn at 128 turns ÷ at 32: issue
+28's target is ≤ 1.2, a cost that does not grow with the history).
 """
 
 from __future__ import annotations
@@ -106,11 +108,14 @@ def run(ctx: BenchContext) -> Figures:
     tokenizer = AutoTokenizer.from_pretrained(default_model_path(tools=True))
     repeats = ctx.repeats_for(3)
     out: Figures = {}
-    for turns in ctx.size(smoke=(8,), quick=(8, 32), full=(8, 32)):
+    for turns in ctx.size(smoke=(8,), quick=(8, 32, 128), full=(8, 32, 128)):
         for kind, tools in (("tool", True), ("text", False)):
             runs = [_one_run(tokenizer, tools, turns) for _ in range(repeats)]
             out[f"{kind}_turn_cpu_us_{turns}turns"] = rounded(median(runs), 1)
         tool, text = out[f"tool_turn_cpu_us_{turns}turns"], out[f"text_turn_cpu_us_{turns}turns"]
         out[f"tool_turn_overhead_us_{turns}turns"] = rounded(float(tool) - float(text), 1)
         ctx.log(f"  {turns} turns: tool {tool} µs/turn, text {text} µs/turn")
+    if "tool_turn_cpu_us_128turns" in out:
+        ratio = float(out["tool_turn_cpu_us_128turns"]) / float(out["tool_turn_cpu_us_32turns"])
+        out["tool_turn_cpu_128_over_32"] = rounded(ratio, 2)
     return out

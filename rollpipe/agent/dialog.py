@@ -2,13 +2,27 @@
 
 The engine's prompt at each turn is the previous prompt, the model's own response ids
 (never re-tokenized) and the ids of what the template renders for the new messages.
-That last part comes from a render diff: the whole conversation is rendered (with the
-env's ``tools=``) before and after the new messages are added, and the text after the
-first render is appended, preceded by what the template writes after the assistant's
-own text (e.g. ``"\\n"`` after ``<|im_end|>``; the end-of-turn token itself when the
-response was cut before it). Concatenated, the turns are what a fresh
+That last part comes from a render diff: a conversation ending in the assistant's turn
+is rendered (with the env's ``tools=``) before and after the new messages are added, and
+the text after the first render is appended, preceded by what the template writes after
+the assistant's own text (e.g. ``"\\n"`` after ``<|im_end|>``; the end-of-turn token
+itself when the response was cut before it). Concatenated, the turns are what a fresh
 ``apply_chat_template`` of the whole conversation gives, wherever the template renders
 the model's response as the model wrote it.
+
+Window renders. Rendering the whole conversation twice a turn costs time that grows
+with the history (Jinja walks every message), so the diff is taken on a **window**:
+the conversation's head (its system messages and first message: a template's default
+system prompt, its tools block and the checks on the first turn see what they see in
+the whole conversation) and the last assistant turn, then the new messages. The
+rendering of a message that depends only on itself, its neighbours and the head (the
+role headers, grouping consecutive ``tool`` results under one user block, a tools
+block in the system or first user turn) is the same there as in the whole
+conversation, so a turn costs the same at turn 128 as at turn 8. Each dialog checks
+this: its first :data:`CHECKED_TURNS` turns whose window is shorter than the
+conversation are also diffed on the whole conversation, and on any difference (or a
+template error on the window) the dialog renders the whole conversation from then on.
+``Dialog(..., full_render=True)`` renders the whole conversation at every turn.
 
 Prefix breaks. A template that is not append-only (e.g. one that drops the reasoning
 of earlier assistant turns once a new user turn comes) renders the history differently
@@ -18,6 +32,11 @@ what the engine saw — and appends the new messages as the template renders the
 after an assistant turn. The turn records
 ``prefix_break=True``: the row differs from a fresh render of the whole conversation
 (which the model never saw), and a trainer that re-renders would train on other tokens.
+A window render sees a break in the window: the last assistant turn (or the head)
+rendered differently once the new messages come, which is where the templates that
+drop reasoning, or move a tools block to the last user turn, change the history. A
+template that re-renders only older turns breaks unseen after the checked turns; use
+``full_render=True`` to see every break.
 """
 
 from __future__ import annotations
@@ -31,10 +50,12 @@ from rollpipe.agent.messages import as_messages
 from rollpipe.agent.parsers import ResponseParser
 from rollpipe.agent.tools import ToolSet
 
-__all__ = ["Dialog"]
+__all__ = ["CHECKED_TURNS", "Dialog"]
 
+CHECKED_TURNS = 2  # window renders per dialog also checked against a whole render
 _SENTINEL = "XQZSENTINELZQX"
 Observation = str | Sequence[Mapping[str, str]]
+Messages = Sequence[Mapping[str, Any]]
 
 
 class Dialog:
@@ -43,10 +64,11 @@ class Dialog:
     ``first_prompt(observation)`` gives turn 0's ids; ``act(response_ids, turn)`` parses
     a response into an :class:`AssistantAction` and adds it to the conversation;
     ``continuation(observation, response_ids)`` gives the ids the next turn appends and
-    whether the template broke the prefix there.
+    whether the template broke the prefix there. ``full_render=True`` renders the
+    whole conversation at every turn instead of a window (see the module doc).
     """
 
-    def __init__(self, chat: ChatFormat, tools: ToolSet) -> None:
+    def __init__(self, chat: ChatFormat, tools: ToolSet, *, full_render: bool = False) -> None:
         if chat.history_window is not None:
             raise ValueError(
                 f"history_window={chat.history_window}: chat envs (tools, message "
@@ -54,14 +76,30 @@ class Dialog:
                 "history_window=None"
             )
         self.chat, self.tools = chat, tools
+        self.full_render = full_render
         self.parser: ResponseParser | None = (
             chat.response_parser(tools.schemas) if chat.parses_responses else None
         )
         self.messages: list[dict[str, Any]] = chat.system_messages()
-        self.text = ""  # the template's rendering of the conversation's prompt so far
         self.prefix_breaks = 0
+        self._checks_left = CHECKED_TURNS
+        self._text: str | None = ""  # rendered on demand (``text``) when None
+        self._text_upto = 0  # the messages ``_text`` renders
+        self._head: tuple[list[Mapping[str, Any]], str] | None = None  # head, its prompt
 
-    def _render(self, messages: Sequence[Mapping[str, Any]], generation_prompt: bool) -> str:
+    @property
+    def text(self) -> str:
+        """The template's rendering of the conversation's prompt so far (the messages
+        before the last response, with the generation prompt); rendered when asked."""
+        if self._text is None:
+            self._text = self._render(self.messages[: self._text_upto], True)
+        return self._text
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._text, self._text_upto = value, len(self.messages)
+
+    def _render(self, messages: Messages, generation_prompt: bool) -> str:
         return self.chat.render_messages(
             messages, generation_prompt=generation_prompt, tools=self.tools.schemas
         )
@@ -87,36 +125,82 @@ class Dialog:
         """The ids appended after ``response_ids`` for the env's new messages, and whether
         the template broke the prefix (see the module doc)."""
         new = as_messages(observation)
-        closed = self._render(self.messages, False)
-        whole = self._render([*self.messages, *new], True)
-        broke = not (closed.startswith(self.text) and whole.startswith(closed))
-        if broke:
-            self.prefix_breaks += 1
-            text = self._after_assistant(new, response_ids, generation_prompt=True)
-        else:
-            assistant = closed[len(self.text) :]
-            said = str(self.chat.tokenizer.decode(list(response_ids), skip_special_tokens=False))
-            if assistant.startswith(said):  # the template renders the response as written
-                closer = assistant[len(said) :]
-            else:
-                closer = self._after_assistant([], response_ids, generation_prompt=False)
-            text = closer + whole[len(closed) :]
+        said = str(self.chat.tokenizer.decode(list(response_ids), skip_special_tokens=False))
+        text, broke, whole = None, False, None
+        window = None if self.full_render else self._window()
+        if window is not None:
+            try:
+                prompt = self._head_prompt(window)
+                text, broke, _ = self._diff(window, prompt, new, said, response_ids)
+            except Exception:  # a template that refuses the window: render the whole
+                self.full_render, text = True, None
+            if text is not None and self._checks_left > 0:
+                self._checks_left -= 1
+                checked = self._diff(self.messages, self.text, new, said, response_ids)
+                if checked[:2] != (text, broke):  # the window renders otherwise: stop using it
+                    self.full_render = True
+                text, broke, whole = checked
+        if text is None:
+            text, broke, whole = self._diff(self.messages, self.text, new, said, response_ids)
+        self.prefix_breaks += broke
         self.messages.extend(new)
-        self.text = whole
+        self._text, self._text_upto = whole, len(self.messages)
         return self.chat.encode(text), broke
+
+    def _window(self) -> list[Mapping[str, Any]] | None:
+        """The head (system messages and the first other message) and the last assistant
+        turn; ``None`` when that is the whole conversation or it does not end with an
+        assistant turn."""
+        messages = self.messages
+        head = 0
+        while head < len(messages) and messages[head].get("role") == "system":
+            head += 1
+        head += 1
+        if len(messages) <= head + 1 or messages[-1].get("role") != "assistant":
+            return None
+        return [*messages[:head], messages[-1]]
+
+    def _head_prompt(self, window: Sequence[Mapping[str, Any]]) -> str:
+        """The head rendered with the generation prompt (kept: the head never changes)."""
+        head = list(window[:-1])
+        if self._head is None or self._head[0] != head:
+            self._head = (head, self._render(head, True))
+        return self._head[1]
+
+    def _diff(
+        self,
+        history: Messages,
+        prompt: str,
+        new: Messages,
+        said: str,
+        response_ids: Sequence[int],
+    ) -> tuple[str, bool, str]:
+        """The text appended after the response, whether the template broke the prefix,
+        and the render of ``history`` + ``new``: ``history`` ends with the assistant turn
+        and ``prompt`` is the render (with generation prompt) of what came before it."""
+        closed = self._render(history, False)
+        whole = self._render([*history, *new], True)
+        if not (closed.startswith(prompt) and whole.startswith(closed)):
+            return self._after_assistant(history, new, response_ids), True, whole
+        assistant = closed[len(prompt) :]
+        if assistant.startswith(said):  # the template renders the response as written
+            closer = assistant[len(said) :]
+        else:
+            closer = self._after_assistant(history, [], response_ids, generation_prompt=False)
+        return closer + whole[len(closed) :], False, whole
 
     def _after_assistant(
         self,
-        new: Sequence[Mapping[str, Any]],
+        history: Messages,
+        new: Messages,
         response_ids: Sequence[int],
-        generation_prompt: bool,
+        generation_prompt: bool = True,
     ) -> str:
         """What the template writes after the last assistant turn's text, then ``new``:
         rendered with that turn's text replaced by a sentinel, cut after it. The
         end-of-turn token is left out when the response already ends with it."""
         placeholder = {"role": "assistant", "content": _SENTINEL}
-        messages = [*self.messages[:-1], placeholder, *new]
-        rendered = self._render(messages, generation_prompt)
+        rendered = self._render([*history[:-1], placeholder, *new], generation_prompt)
         cut = rendered.rfind(_SENTINEL)
         if cut < 0:
             raise ValueError("the chat template dropped the assistant message content")
