@@ -4,6 +4,7 @@ are mid-call loses and duplicates nothing."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -40,8 +41,12 @@ async def agent(client: openai.AsyncOpenAI, task: str) -> float:
     return float(len(reply.choices[0].message.content or "") % 3)
 
 
+def task(seed: int) -> str:
+    return f"What is {seed % 50} + 3?"
+
+
 def make_agent_env() -> AgentEnv:
-    return AgentEnv(agent, task=lambda seed: f"What is {seed % 50} + 3?")
+    return AgentEnv(agent, task=task)
 
 
 register("frontdoor-test-agent", make_agent_env, overwrite=True)
@@ -71,9 +76,8 @@ def engine() -> Iterator[Any]:
 
 
 def config(**kw: Any) -> PipelineConfig:
-    return PipelineConfig(
-        envs="frontdoor-test-agent", episode=EPISODE, group_size=2, batch_size=4, **kw
-    )
+    settings = {"envs": "frontdoor-test-agent", "episode": EPISODE, "group_size": 2}
+    return PipelineConfig(**(settings | {"batch_size": 4} | kw))
 
 
 def assert_rows_are_engine_requests(batch: Any, engine: Any) -> None:
@@ -140,3 +144,66 @@ def test_a_dataset_row_is_the_agents_task(engine: Any) -> None:
     assert all(t in rows for t in tasks)
     indices = batch.non_tensor_batch["row_index"].tolist()
     assert set(indices) <= {0, 1, 2} and all(indices.count(i) == 2 for i in indices)
+
+
+def rows_of(batch: Any) -> list[tuple[Any, ...]]:
+    """Per row: trajectory uid, its real ids and its score: what equal runs share."""
+    ids, mask = batch.batch["input_ids"], batch.batch["attention_mask"].bool()
+    uids, scores = batch.non_tensor_batch["traj_uid"], batch.batch["episode_scores"]
+    return [(uids[i], tuple(ids[i][mask[i]].tolist()), float(scores[i])) for i in range(len(batch))]
+
+
+class Hold:
+    """Holds the agents started after the first ``free`` after their first call, until
+    released: a checkpoint then finds them mid-episode, whatever the machine's speed."""
+
+    def __init__(self, free: int | None = None) -> None:
+        self.free, self.started, self.held = free, 0, 0
+        self.release = threading.Event()
+
+    async def agent(self, client: openai.AsyncOpenAI, task: str) -> float:
+        self.started += 1
+        if self.free is None or self.started <= self.free:
+            return await agent(client, task)
+        messages: list[Any] = [{"role": "user", "content": task}]
+        await client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+        self.held += 1
+        await asyncio.to_thread(self.release.wait)
+        return await agent(client, task)  # the same calls and seeds as an episode unheld
+
+
+def test_a_checkpoint_with_agents_in_flight_resumes_exactly(engine: Any) -> None:
+    hold = Hold()
+    register("frontdoor-test-held", lambda: AgentEnv(hold.agent, task=task), overwrite=True)
+    cfg = config(envs="frontdoor-test-held", num_groups=6, async_generation_ratio=1, concurrency=4)
+    with RolloutPipeline(cfg, engine, tools_model_path()) as pipe:
+        uninterrupted = [rows_of(b) for b in pipe]
+    assert len(uninterrupted) == 3
+    hold = Hold(free=4)  # the first batch's two groups run free, the next ones are held
+    try:
+        with RolloutPipeline(cfg, engine, tools_model_path()) as pipe:
+            first = rows_of(pipe.get_batch())
+            wait_until(lambda: hold.held > 0, 60, "agents held mid-episode")
+            state = plain_round_trip(pipe.state_dict())
+    finally:
+        hold.release.set()
+    assert hold.held > 0
+    hold = Hold()
+    with RolloutPipeline(cfg, engine, tools_model_path()) as restored:
+        restored.load_state_dict(state)
+        rest = [rows_of(b) for b in restored]
+    assert [first, *rest] == uninterrupted  # nothing lost, nothing twice, the same rows
+    uids = [row[0] for batch in (first, *rest) for row in batch]
+    assert len(uids) == len(set(uids)) == 12
+
+
+def plain_round_trip(state: Any) -> Any:
+    """``state`` through ``torch.save`` / ``torch.load(weights_only=True)``."""
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
