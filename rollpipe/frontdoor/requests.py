@@ -69,6 +69,7 @@ class ChatRequest:
     return_token_ids: bool = False
     stream: bool = False
     include_usage: bool = False
+    stop: tuple[str, ...] = ()
 
 
 def _text(content: Any, where: str) -> str:
@@ -207,12 +208,21 @@ def _check_unsupported(body: Mapping[str, Any]) -> None:
             raise RequestError(f"{key} is not supported; leave it out or send 0", key)
     if body.get("n") not in (None, 1):
         raise RequestError(f"n={body.get('n')!r}: one choice per request; send n=1", "n")
-    if body.get("stop"):
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    """``stop``: a string or a list of up to 4 non-empty strings (OpenAI's bounds)."""
+    stops = [value] if isinstance(value, str) else value
+    if value is None or value == []:
+        return ()
+    if not isinstance(stops, list) or not 1 <= len(stops) <= 4:
         raise RequestError(
-            "stop strings are not supported; the turn ends at the model's "
-            "end-of-turn token or max_tokens",
-            "stop",
+            f"stop must be a string or a list of 1 to 4 strings, got {value!r}", "stop"
         )
+    for i, s in enumerate(stops):
+        if not isinstance(s, str) or not s:
+            raise RequestError(f"stop[{i}] must be a non-empty string, got {s!r}", "stop")
+    return tuple(stops)
 
 
 def _flag(body: Mapping[str, Any], key: str) -> bool:
@@ -240,15 +250,15 @@ def parse_chat_request(body: Any) -> ChatRequest:
     choice = body.get("tool_choice") or "auto"
     if choice not in TOOL_CHOICES:
         raise RequestError(
-            f"tool_choice={choice!r} is not supported; use 'auto' or 'none' "
-            "(forced calls need guided decoding, which this server lacks)",
+            f"tool_choice={choice!r} is not supported; use 'auto' or 'none' (a forced "
+            "call needs guided decoding, which the engine does not offer)",
             "tool_choice",
         )
     top = body.get("top_logprobs")
     if top not in (None, 0):
         raise RequestError(
-            "top_logprobs is not supported: only the sampled token's "
-            "logprob is returned; leave it out or send 0",
+            f"top_logprobs={top!r} is not supported: the engine returns only the sampled "
+            "token's logprob (logprobs=true); leave it out or send 0",
             "top_logprobs",
         )
     logprobs = body.get("logprobs", False)
@@ -268,4 +278,5 @@ def parse_chat_request(body: Any) -> ChatRequest:
         return_token_ids=_flag(body, "return_token_ids"),
         stream=stream,
         include_usage=bool(options.get("include_usage", False)),
+        stop=_stop(body.get("stop")),
     )

@@ -1,7 +1,7 @@
 """FrontDoor: an OpenAI-compatible server whose every call becomes exact training ids.
 
 ``/v1/models`` and ``/v1/chat/completions`` (messages, ``tools``, ``tool_choice`` auto
-or none, sampling fields, ``n=1``, ``logprobs``), served by ``aiohttp.web`` on the
+or none, sampling fields, ``stop`` strings, ``n=1``, ``logprobs``), served by ``aiohttp.web`` on the
 engine's own runtime loop: no second event loop, no thread hop between a request and
 the engine. Each session has its own key (``Authorization: Bearer <key>``). A request
 with a missing, unknown or finished key gets 401 and touches nothing; a malformed one
@@ -39,6 +39,7 @@ from rollpipe.engines.records import EngineError, SamplingParams
 from rollpipe.frontdoor.requests import ChatRequest, RequestError, parse_chat_request
 from rollpipe.frontdoor.responses import completion_body, models_body, stream_chunks
 from rollpipe.frontdoor.session import AgentSession
+from rollpipe.frontdoor.stops import cut_at_stop
 
 __all__ = ["FrontDoor", "SessionTimeoutError"]
 
@@ -293,7 +294,8 @@ class FrontDoor:
             raise RequestError(
                 f"the engine did not answer: {exc!r}", None, 500, "server_error"
             ) from exc
-        action, message = session.record(request, prompt, gen)
+        gen, text = cut_at_stop(gen, request.stop, self.chat.decode_for_parsing)
+        action, message = session.record(request, prompt, gen, text)
         return completion_body(
             completion_id=f"chatcmpl-{session.spec.episode_id}-{session.calls - 1}",
             model=self.model_name,

@@ -131,9 +131,10 @@ class AgentSession:
 
     # -- recording ----------------------------------------------------------------------
     def record(
-        self, request: ChatRequest, prompt: Prompt, gen: Generation
+        self, request: ChatRequest, prompt: Prompt, gen: Generation, text: str | None = None
     ) -> tuple[AssistantAction, dict[str, Any]]:
-        """Add the call to the session; the parsed response and its assistant message."""
+        """Add the call to the session; the parsed response and its assistant message.
+        ``text``: the response's text when not its ids' (cut before a stop string)."""
         if prompt.new_row or self._dialog is None:
             self._dialog = self._fresh_dialog(request)
             self._dialog.messages = list(request.messages)
@@ -146,12 +147,13 @@ class AgentSession:
         dialog.text = dialog.chat.render_messages(
             dialog.messages, generation_prompt=True, tools=dialog.tools.schemas
         )
-        if request.tool_choice == "none" or dialog.parser is None:
+        if text is None:
             text = self.chat.decode_for_parsing(gen.token_ids)
+        if request.tool_choice == "none" or dialog.parser is None:
             action = AssistantAction.plain(text)
-            dialog.messages.append(action.message())
         else:
-            action = dialog.act(gen.token_ids, self.calls)
+            action = dialog.parser.parse(text, self.calls)
+        dialog.messages.append(action.message())
         message = normalise_message(dialog.messages[-1], "response")
         dialog.messages[-1] = message
         n = len(gen.token_ids)
