@@ -46,7 +46,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -175,7 +175,7 @@ class EpisodeSettings:
 
 async def generate_turn(
     engine: Engine,
-    prompt: list[int],
+    prompt: Sequence[int],
     params: SamplingParams,
     admit: Callable[[], Awaitable[None]] | None,
     max_aborts: int,
@@ -286,8 +286,8 @@ async def run_episode(
 
     session = Session(spec.episode_id)
     turns: list[Turn] = []
-    # conversation mode: every id the engine has seen or produced, checked as it grew (so
-    # the engine's check of each prompt costs the new ids, not the history)
+    # conversation mode: every id the engine has seen or produced, checked as it grew (the
+    # engine's check costs the new ids); each turn's prompt is a view of it, not a copy
     context = CheckedIds()
     windowed = chat.history_window is not None
     stop_ids = tuple(sampling.stop_token_ids)
@@ -339,8 +339,9 @@ async def run_episode(
                 added = dialog.first_prompt(observation)
             else:
                 added, broke = dialog.continuation(observation, turns[-1].response_ids)
-            # a copy for the engine; the tokenizer's and the engine's ids are trusted ints
-            prompt = added if windowed else context.extended(added, trusted=True)
+            if not windowed:  # grown in place: the tokenizer's ids are trusted ints
+                context.extend_checked(added, trusted=True)
+            prompt: Sequence[int] = added if windowed else context.view()  # not a copy
             budget = s.max_length - len(prompt)
             if budget < 1:
                 end_reason = "max_length"
@@ -362,8 +363,7 @@ async def run_episode(
             text = action.text if action is not None and structured else chat.decode(gen.token_ids)
             fields = _turn(added, gen, text, messages_text(observation))
             fields["prefix_break"] = broke
-            if not windowed:  # grown in place; the engine keeps its own copy, prompt
-                context.catch_up(prompt)  # type: ignore[arg-type]
+            if not windowed:  # past the end of the view the engine got (it may keep it)
                 context.extend_checked(gen.token_ids, trusted=True)
             if gen.finish_reason == "length" and on_length != "step":
                 turns.append(Turn(**fields, reward=penalty, action_valid=False, stepped=False))

@@ -45,7 +45,14 @@ class EngineLink:
 
 
 class Backend(Protocol):
-    """What an engine drives. Every coroutine runs on the engine's event loop."""
+    """What an engine drives. Every coroutine runs on the engine's event loop.
+
+    A backend whose class sets ``takes_views = True`` reads prompts as sequences: its
+    ``generate`` may get a ``PromptView`` (``rollpipe.engines.inputs``; a read-only,
+    fixed ``Sequence[int]`` over an episode's growing context) instead of a list, so a
+    turn's prompt reaches it without a copy of the history. Any other backend gets a
+    ``list[int]`` of its own; building it is that backend's share of a turn's cost.
+    """
 
     @property
     def vocab_size(self) -> int | None:
@@ -53,7 +60,8 @@ class Backend(Protocol):
         ...
 
     async def generate(self, prompt: list[int], params: SamplingParams) -> Generation:
-        """One completion of ``prompt`` (already checked); queue it while paused.
+        """One completion of ``prompt`` (already checked; a ``PromptView`` only when the
+        backend declares ``takes_views``); queue it while paused.
 
         Raise ``EngineError`` for a request the backend cannot serve (too long).
         """

@@ -14,12 +14,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, Self, TypeVar
+from typing import Any, Self, TypeVar, cast
 
 import torch
 
 from rollpipe.engines.backend import Backend, EngineLink
-from rollpipe.engines.inputs import PromptIds, check_prompt, named_tensors
+from rollpipe.engines.inputs import (
+    PromptIds,
+    PromptView,
+    check_prompt,
+    check_prompt_view,
+    named_tensors,
+)
 from rollpipe.engines.protocol import PauseMode, WeightsLike
 from rollpipe.engines.records import EngineClosedError, EngineError, Generation, SamplingParams
 from rollpipe.engines.state import (
@@ -71,6 +77,9 @@ class BaseEngine(EngineStateView):
             self._runtime.close()
             raise EngineError(f"{type(self).__name__} failed to start on {what}: {e!r}") from e
         self._backend_reports_tokens = bool(getattr(self._backend, "reports_tokens", False))
+        # a backend that reads prompts as sequences gets an episode's PromptView as it is
+        views = bool(getattr(self._backend, "takes_views", False))
+        self._check_prompt = check_prompt_view if views else check_prompt
 
     # -- state (version, pause_mode, closed, ...: EngineStateView) ----------------------
     @property
@@ -117,7 +126,7 @@ class BaseEngine(EngineStateView):
         """Generate one completion; awaitable from any event loop or thread."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        prompt = check_prompt(prompt_ids, self._backend.vocab_size)
+        prompt = self._check_prompt(prompt_ids, self._backend.vocab_size)
         self._state.check_open()
         return await self._scope.run(self._generate(prompt, params))
 
@@ -129,7 +138,7 @@ class BaseEngine(EngineStateView):
             raise EngineError("generate_batch blocks; do not call it on the engine's own loop")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        checked = [check_prompt(p, self._backend.vocab_size) for p in prompts]
+        checked = [self._check_prompt(p, self._backend.vocab_size) for p in prompts]
         self._state.check_open()
         futures = [self._scope.submit(self._generate(p, params)) for p in checked]
         return [f.result() for f in futures]
@@ -182,8 +191,9 @@ class BaseEngine(EngineStateView):
         self.close()
 
     # -- on the loop ---------------------------------------------------------------------
-    async def _generate(self, prompt: list[int], params: SamplingParams) -> Generation:
-        gen = await self._backend.generate(prompt, params)
+    async def _generate(self, prompt: list[int] | PromptView, params: SamplingParams) -> Generation:
+        # a PromptView only reaches a backend that declared takes_views (see _attach)
+        gen = await self._backend.generate(cast(list[int], prompt), params)
         if not self._backend_reports_tokens:  # counted as produced otherwise
             self._produced(len(gen.token_ids))
         return gen

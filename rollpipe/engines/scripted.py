@@ -1,7 +1,9 @@
 """ScriptedEngine: the ``Engine`` protocol with a policy function instead of a model.
 
 Every request is answered at once by ``policy(prompt_ids, params) -> token ids`` (a
-baseline policy: scripted or random actions). Everything else is a real engine's: its own
+baseline policy: scripted or random actions). ``prompt_ids`` is a read-only
+``Sequence[int]`` (an episode's ``PromptView``, shared without a copy; ``list(...)`` for
+a list of one's own). Everything else is a real engine's: its own
 runtime, policy versions on every token, pause modes, weight updates (the weights are
 ignored), close. Use it where rollpipe is what is measured or tested and the model is
 not: ``bench/turn_cost.py`` measures rollpipe's own cost per turn with it, since the
@@ -22,7 +24,7 @@ from rollpipe.engines.records import Generation, SamplingParams
 
 __all__ = ["ScriptedEngine"]
 
-Policy = Callable[[list[int], SamplingParams], Sequence[int]]
+Policy = Callable[[Sequence[int], SamplingParams], Sequence[int]]
 
 
 class _ScriptedBackend:
@@ -30,6 +32,7 @@ class _ScriptedBackend:
     flight across an await, so every pause mode has nothing to freeze or abort)."""
 
     vocab_size = None
+    takes_views = True  # the policy reads the prompt; nothing here needs a list
 
     def __init__(self, link: EngineLink, policy: Policy) -> None:
         self.link, self.policy = link, policy
@@ -37,7 +40,7 @@ class _ScriptedBackend:
         self._running.set()
         self._closed: BaseException | None = None
 
-    async def generate(self, prompt: list[int], params: SamplingParams) -> Generation:
+    async def generate(self, prompt: Sequence[int], params: SamplingParams) -> Generation:
         await self._running.wait()  # set unless paused
         if self._closed is not None:
             raise self._closed

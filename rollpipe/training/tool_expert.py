@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -49,11 +49,11 @@ def expert_texts(conversation: str) -> str:
     return f'<tool_call>\n{{"name": "calculate", "arguments": {arguments}}}\n</tool_call>'
 
 
-def expert_policy(tokenizer: Any) -> Callable[[list[int], SamplingParams], list[int]]:
+def expert_policy(tokenizer: Any) -> Callable[[Sequence[int], SamplingParams], list[int]]:
     """The expert as a ``ScriptedEngine`` policy: ``policy(prompt_ids, params) -> ids``
     (the response and the template's end-of-turn token)."""
 
-    def policy(prompt: list[int], params: SamplingParams) -> list[int]:
+    def policy(prompt: Sequence[int], params: SamplingParams) -> list[int]:
         text = tokenizer.decode(prompt, skip_special_tokens=False)
         ids = tokenizer(expert_texts(text) + _EOT, add_special_tokens=False)["input_ids"]
         return list(ids)
