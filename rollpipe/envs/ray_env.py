@@ -52,6 +52,7 @@ __all__ = [
     "EnvHost",
     "RayEnv",
     "RayEnvError",
+    "check_hostable",
     "ray_env_factory",
 ]
 
@@ -344,7 +345,36 @@ def _ray_text(error: BaseException) -> str:
     return "; ".join(line for line in lines if line and set(line) != {"^"})
 
 
+_EPISODE_KINDS: dict[tuple[str, int], str | None] = {}  # (name, factory) -> own kind
+
+
+def check_hostable(name: str, config: Mapping[str, Any]) -> None:
+    """Raise ValueError if env ``name`` runs its own episode (an ``AgentEnv``: its agent
+    calls the front door on the engine's event loop), which a Ray env worker, made to
+    host ``reset`` / ``step``, cannot run. One env is built (then closed) per factory."""
+    key = (name, id(factory_of(name)))
+    if key not in _EPISODE_KINDS:
+        env = make(name, **dict(config))
+        try:
+            own = callable(getattr(env, "run_episode", None))
+            _EPISODE_KINDS[key] = type(env).__name__ if own else None
+        finally:
+            close = getattr(env, "close", None)
+            if callable(close):
+                close()
+    kind = _EPISODE_KINDS[key]
+    if kind is not None:
+        raise ValueError(
+            f"env {name!r} is an {kind}: it runs its own episode (an agent calling the "
+            "front door on the engine's loop); env_backend='ray' hosts only text envs "
+            "(reset / step) in Ray actors. Use env_backend='local' (an agent's calls are I/O "
+            "on the loop: run its blocking work with asyncio.to_thread), or run the agent in "
+            "a process of its own against a FrontDoor (docs/agents.md, 'The front door alone')"
+        )
+
+
 def _ray_env_for_spec(spec: EpisodeSpec, **options: Any) -> RayEnv:
+    check_hostable(spec.env_name, spec.env_kwargs)  # before any actor starts
     return RayEnv(spec.env_name, spec.env_kwargs, **options)
 
 

@@ -113,7 +113,8 @@ class AgentEnv:
         accept it (the agent then gets the row as its task)."""
         raise TypeError(
             "AgentEnv is not stepped like a text env: run it with a Rollout (or call "
-            "run_episode); its agent gets the task"
+            "run_episode) on the engine's loop, with env_backend='local' (a Ray env worker "
+            "cannot host it); its agent gets the task"
         )
 
     def task_for(self, spec: EpisodeSpec) -> Any:
