@@ -113,9 +113,8 @@ def play(
 ) -> tuple[Recording, list[int], list[list[int]], list[bool]]:
     """One conversation: the dialog, its ids, each turn's appended ids, each turn's break;
     ``dialog.widest`` holds, per turn, the most messages a render was given and the
-    window's size (head, last assistant turn, new messages)."""
+    size of the conversation with the new messages."""
     dialog = Recording(chat, tools, **options)
-    head = 1 + (chat.system_prompt is not None)
     widest: list[tuple[int, int]] = []
     observation = (
         first if isinstance(first, str) else [{"role": "user", "content": w} for w in first]
@@ -136,7 +135,7 @@ def play(
             new = [{"role": "user", "content": results[0]}]
         done = len(dialog.sizes)
         more, broke = dialog.continuation(new, response)
-        widest.append((max(dialog.sizes[done:]), head + 1 + len(new)))
+        widest.append((max(dialog.sizes[done:]), len(dialog.messages)))
         ids = [*ids, *response, *more]
         added.append(more)
         breaks.append(broke)
@@ -165,13 +164,21 @@ def test_window_renders_equal_a_fresh_render_of_the_whole_conversation(
     whole, whole_ids, whole_added, whole_breaks = play(chat, tools, first, turns, full_render=True)
     assert (whole_ids, whole_added, whole_breaks) == (ids, added, breaks)
     assert dialog.messages == whole.messages and dialog.text == whole.text
-    # past the checked turns, no render sees more than head + last assistant + new ones
-    assert all(widest <= window for widest, window in dialog.widest[CHECKED_TURNS + 1 :])
+    # whole renders: while the window would hold it all (2 turns after each head) and on
+    # the checked turns; the head grows once, at the first tool result. The other turns
+    # render at most head + last exchange + new messages.
+    whole_turns = [w == n for w, n in dialog.widest]
+    assert sum(whole_turns[1:]) <= 2 * (2 + CHECKED_TURNS)
+    roles = [m["role"] for m in dialog.messages]
+    at = roles.index("tool") if "tool" in roles else roles.index("user")
+    head = at + 1  # through the first tool result, else the first user message
+    most_new = 5  # 3 tool results and 2 user messages
+    assert all(w <= head + (1 + most_new + 1) + most_new for w, n in dialog.widest if w < n)
 
 
 def test_renders_stop_growing_after_the_checked_turns(formats: dict[str, ChatFormat]) -> None:
-    """60 tool turns: after the checked turns, every render is of at most 4 messages
-    (system, user, last assistant turn, its tool result), whatever the history's length."""
+    """60 tool turns: after the checked turns, every render is of at most 8 messages,
+    whatever the history's length."""
     chat = formats["tools/default"]
     turns = [("", [("add", {"a": t, "b": 1})], False, ["A1", "A2", "A3"], []) for t in range(60)]
     dialog, ids, _, breaks = play(chat, ToolSet([add]), "Add.", turns)
@@ -180,9 +187,11 @@ def test_renders_stop_growing_after_the_checked_turns(formats: dict[str, ChatFor
     )
     assert not any(breaks) and len(dialog.messages) == 2 + 2 * 60
     widest = [w for w, _ in dialog.widest]
-    # turn 0's window is the whole conversation; the next CHECKED_TURNS also render it
-    assert widest[1 : 1 + CHECKED_TURNS] == [4 + 2 * t for t in range(1, 1 + CHECKED_TURNS)]
-    assert max(widest[1 + CHECKED_TURNS :]) == 4
+    # turns 0-2: the window would be the whole conversation; then CHECKED_TURNS checked
+    assert widest[: 3 + CHECKED_TURNS] == [4 + 2 * t for t in range(3 + CHECKED_TURNS)]
+    # then windows only: system, user, first call, its result, the exchange before the
+    # last (call, result), the last call, the new result
+    assert max(widest[3 + CHECKED_TURNS :]) == 8
 
 
 def test_a_template_that_renders_the_window_otherwise_falls_back_to_whole_renders(

@@ -11,18 +11,20 @@ itself when the response was cut before it). Concatenated, the turns are what a 
 the model's response as the model wrote it.
 
 Window renders. Rendering the whole conversation twice a turn costs time that grows
-with the history (Jinja walks every message), so the diff is taken on a **window**:
-the conversation's head (its system messages and first message: a template's default
-system prompt, its tools block and the checks on the first turn see what they see in
-the whole conversation) and the last assistant turn, then the new messages. The
-rendering of a message that depends only on itself, its neighbours and the head (the
-role headers, grouping consecutive ``tool`` results under one user block, a tools
-block in the system or first user turn) is the same there as in the whole
-conversation, so a turn costs the same at turn 128 as at turn 8. Each dialog checks
-this: its first :data:`CHECKED_TURNS` turns whose window is shorter than the
-conversation are also diffed on the whole conversation, and on any difference (or a
-template error on the window) the dialog renders the whole conversation from then on.
-``Dialog(..., full_render=True)`` renders the whole conversation at every turn.
+with the history (Jinja walks every message), so the diff is taken on a **window**: the
+conversation's head (up to its first tool result, or its first message after the system
+messages while there is none) and its last exchange (the assistant turn before the last
+one, the env's messages after it, the last assistant turn), then the new messages. A
+template's logic that looks at the start of the conversation (a default system prompt,
+a tools block in the system or first user turn, DeepSeek's first tool call and first
+tool output) or at a message's neighbours (role headers, consecutive ``tool`` results
+grouped under one user block, Qwen3's last user query) sees in the window what it sees
+in the whole conversation, so a turn costs the same at turn 128 as at turn 8. Each
+dialog checks this: the first :data:`CHECKED_TURNS` turns whose window leaves messages
+out (again after the head grows) are also diffed on the whole conversation, and on any
+difference (or a template error on the window) the dialog renders the whole
+conversation from then on. ``Dialog(..., full_render=True)`` renders the whole
+conversation at every turn.
 
 Prefix breaks. A template that is not append-only (e.g. one that drops the reasoning
 of earlier assistant turns once a new user turn comes) renders the history differently
@@ -32,11 +34,11 @@ what the engine saw — and appends the new messages as the template renders the
 after an assistant turn. The turn records
 ``prefix_break=True``: the row differs from a fresh render of the whole conversation
 (which the model never saw), and a trainer that re-renders would train on other tokens.
-A window render sees a break in the window: the last assistant turn (or the head)
-rendered differently once the new messages come, which is where the templates that
-drop reasoning, or move a tools block to the last user turn, change the history. A
-template that re-renders only older turns breaks unseen after the checked turns; use
-``full_render=True`` to see every break.
+A window render sees a break in the window: the last exchange or the head rendered
+differently once the new messages come, which is where the templates that drop the
+reasoning of the turns before a new user turn, or move a tools block to the last user
+turn, change the history. A template that re-renders only turns the window leaves out
+breaks unseen after the checked turns; ``full_render=True`` sees every break.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ class Dialog:
         self._checks_left = CHECKED_TURNS
         self._text: str | None = ""  # rendered on demand (``text``) when None
         self._text_upto = 0  # the messages ``_text`` renders
-        self._head: tuple[list[Mapping[str, Any]], str] | None = None  # head, its prompt
+        self._head = 0  # the messages in the window's head
 
     @property
     def text(self) -> str:
@@ -130,7 +132,7 @@ class Dialog:
         window = None if self.full_render else self._window()
         if window is not None:
             try:
-                prompt = self._head_prompt(window)
+                prompt = self._render(window[:-1], True)
                 text, broke, _ = self._diff(window, prompt, new, said, response_ids)
             except Exception:  # a template that refuses the window: render the whole
                 self.full_render, text = True, None
@@ -148,24 +150,24 @@ class Dialog:
         return self.chat.encode(text), broke
 
     def _window(self) -> list[Mapping[str, Any]] | None:
-        """The head (system messages and the first other message) and the last assistant
-        turn; ``None`` when that is the whole conversation or it does not end with an
-        assistant turn."""
+        """The head and the last exchange (see the module doc); ``None`` when that is the
+        whole conversation or it does not end with an assistant turn. A new head (the
+        first tool result came) is checked again on its first turns."""
         messages = self.messages
-        head = 0
-        while head < len(messages) and messages[head].get("role") == "system":
-            head += 1
-        head += 1
-        if len(messages) <= head + 1 or messages[-1].get("role") != "assistant":
+        if not messages or messages[-1].get("role") != "assistant":
             return None
-        return [*messages[:head], messages[-1]]
-
-    def _head_prompt(self, window: Sequence[Mapping[str, Any]]) -> str:
-        """The head rendered with the generation prompt (kept: the head never changes)."""
-        head = list(window[:-1])
-        if self._head is None or self._head[0] != head:
-            self._head = (head, self._render(head, True))
-        return self._head[1]
+        head = next((i for i, m in enumerate(messages) if m.get("role") == "tool"), None)
+        if head is None:
+            head = next((i for i, m in enumerate(messages) if m.get("role") != "system"), 0)
+        head += 1
+        last = len(messages) - 2  # the assistant turn before the last one starts the tail
+        while last >= head and messages[last].get("role") != "assistant":
+            last -= 1
+        if last <= head:  # nothing left out
+            return None
+        if head != self._head:
+            self._head, self._checks_left = head, CHECKED_TURNS
+        return [*messages[:head], *messages[last:]]
 
     def _diff(
         self,
