@@ -99,6 +99,9 @@ class ChatFormat:
     _suffix_cached: Callable[[str], tuple[int, ...]] = attrs.field(
         init=False, eq=False, repr=False, default=None
     )
+    _fast_decode: Callable[..., str] | None = attrs.field(
+        init=False, eq=False, repr=False, default=None
+    )
     _parsers: dict[str, ResponseParser] = attrs.field(
         init=False, eq=False, repr=False, factory=dict
     )
@@ -118,6 +121,7 @@ class ChatFormat:
         first = self._suffix_ids("x")[0]
         special = set(self.tokenizer.all_special_ids)
         object.__setattr__(self, "_eot_id", first if first in special else None)
+        object.__setattr__(self, "_fast_decode", _fast_decoder(self.tokenizer))
         if self.parses_responses:
             self.response_parser(())  # a name unknown to vLLM, or unfit for the tokenizer
 
@@ -222,6 +226,8 @@ class ChatFormat:
 
     def decode(self, response_ids: Sequence[int]) -> str:
         """The action text of a response: its tokens decoded without special tokens."""
+        if self._fast_decode is not None:  # the same text, without the wrapper's checks
+            return str(self._fast_decode(list(response_ids), skip_special_tokens=True))
         return str(self.tokenizer.decode(list(response_ids), skip_special_tokens=True))
 
     # -- chat envs --------------------------------------------------------------------
@@ -294,6 +300,26 @@ class ChatFormat:
             )
             self._parsers[key] = parser
         return parser
+
+
+def _fast_decoder(tokenizer: Any) -> Callable[..., str] | None:
+    """The Rust tokenizer's own ``decode`` where transformers' ``decode`` would return
+    its text unchanged (a tokenizers-backed tokenizer, transformers' own ``decode`` and
+    ``_decode``, no clean-up of spaces); None otherwise."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers: its decode, as it is
+        return None
+    cls = type(tokenizer)
+    same = (
+        isinstance(tokenizer, TokenizersBackend)
+        and cls.decode is PreTrainedTokenizerBase.decode
+        and cls._decode is TokenizersBackend._decode
+        and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False
+    )
+    backend = getattr(tokenizer, "_tokenizer", None)
+    return backend.decode if same and backend is not None else None
 
 
 def _rebuild(settings: dict[str, Any]) -> ChatFormat:

@@ -293,6 +293,7 @@ async def run_episode(
     stop_ids = tuple(sampling.stop_token_ids)
     if chat.eot_id is not None and chat.eot_id not in stop_ids and not sampling.ignore_eos:
         stop_ids = (*stop_ids, chat.eot_id)
+    sampling = sampling.replace(stop_token_ids=stop_ids)  # each turn: max_tokens and seed
     end_reason: EndReason = "max_turns"
     error: str | None = None
     failure: EnvFailed | None = None
@@ -346,11 +347,8 @@ async def run_episode(
             if budget < 1:
                 end_reason = "max_length"
                 break
-            params = sampling.replace(
-                max_tokens=min(sampling.max_tokens, budget),
-                seed=derive_seed(spec.seed, spec.episode_id, t),
-                stop_token_ids=stop_ids,
-            )
+            seed = derive_seed(spec.seed, spec.episode_id, t)
+            params = sampling.for_request(min(sampling.max_tokens, budget), seed)
             try:
                 limit = s.generation_timeout_s
                 gen = await generate_turn(
