@@ -81,8 +81,17 @@ def build_nodes(
     suspension = Suspension(engine, name=name)
     signals = UpstreamSignals(suspension)
     ratio = config.async_generation_ratio
+    wait = config.max_off_policy_strategy == "wait"  # else drop (see PipelineConfig)
+
+    def version() -> int:
+        return engine.version
+
     source = EpisodeSource.from_settings(
-        config.source, signals=signals, metered=ratio is not None, expire_after=ratio
+        config.source,
+        signals=signals,
+        metered=ratio is not None,
+        expire_after=None if wait else ratio,  # waiting, an unstarted grant is never stale
+        current_version=version if wait else None,  # the ledger the Batch waits on
     )
     rollout = Rollout(
         hooked("source", source),
@@ -98,16 +107,17 @@ def build_nodes(
         config.groups,
         config.source.group_size,
         redundancy=config.source.redundancy,
-        max_staleness=ratio,
-        current_version=lambda: engine.version,
+        max_staleness=None if wait else ratio,  # waiting, the Batch keeps groups fresh
+        current_version=version,
         signals=signals,
     )
     batch = Batch(
         hooked("groups", groups),
         config.batch_size,
         max_staleness=ratio,
-        current_version=lambda: engine.version,
+        current_version=version,
         signals=signals,
+        wait=wait,
     )
     pad_id = (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

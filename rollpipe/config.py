@@ -6,9 +6,10 @@ Each stage's settings are a frozen record defined and checked in that stage's mo
 (:class:`EpisodeSettings`, ``agent/episode.py``), ``rollout`` (:class:`RolloutSettings`,
 ``nodes/rollout.py``), ``groups`` (:class:`GroupSettings`, ``nodes/groups.py``) and
 ``collate`` (:class:`CollateSettings`, ``nodes/collate.py``). ``PipelineConfig`` adds
-``batch_size``, ``async_generation_ratio`` and ``max_traj_per_env`` and checks only what
-spans sections. Flat names (``PipelineConfig(group_size=4, max_turns=3)``, ROLL style)
-keep working: each is routed to its section by a table built from the records' fields.
+``batch_size``, ``async_generation_ratio``, ``max_off_policy_strategy`` and
+``max_traj_per_env`` and checks only what spans sections. Flat names
+(``PipelineConfig(group_size=4, max_turns=3)``, ROLL style) keep working: each is routed
+to its section by a table built from the records' fields.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ SECTIONS: dict[str, type] = {
     "collate": CollateSettings,
 }
 """Section name -> its record class (each defined beside its stage)."""
-WIDE = ("batch_size", "async_generation_ratio", "max_traj_per_env")
+WIDE = ("batch_size", "async_generation_ratio", "max_off_policy_strategy", "max_traj_per_env")
 """The pipeline-wide fields (no section)."""
 FLAT_NAMES: dict[str, str] = {
     f.name: section for section, cls in SECTIONS.items() for f in attrs.fields(cls)
@@ -64,6 +65,8 @@ RENAMED = {
 MAX_BATCH_SIZE = 2**20
 MAX_RATIO = 1024
 MAX_TRAJ_PER_ENV = 65536
+STALENESS_STRATEGIES = ("drop", "wait")
+"""``max_off_policy_strategy`` values (verl's): drop stale groups, or never let them go stale."""
 
 
 def _minus_one_is_none(value: Any) -> Any:
@@ -74,6 +77,15 @@ def _minus_one_is_none(value: Any) -> Any:
 def _ratio(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
     if value is not None:
         check_int(f"PipelineConfig.{attr.name} (or None)", value, 0, MAX_RATIO)
+
+
+def _strategy(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, str) or value not in STALENESS_STRATEGIES:
+        raise ValueError(
+            f"PipelineConfig.{attr.name}={value!r}: use 'drop' (a finished group older than "
+            "async_generation_ratio versions is dropped and replaced, ROLL's behaviour) or "
+            "'wait' (the trainer waits for the groups about to go stale; none is dropped)"
+        )
 
 
 def _article(word: str) -> str:
@@ -163,6 +175,14 @@ class PipelineConfig:
     thread, are dropped and replaced: ``dropped/stale``; docs/pausing.md). ``None`` lets
     collection run ahead freely (up to the rollout's buffer), with no staleness bound.
 
+    ``max_off_policy_strategy`` (verl's name; ``"drop"``, the default, or ``"wait"``) is
+    what happens to a group about to exceed that bound. ``"drop"``: batches fill with the
+    first groups to finish and a finished group that is too old is dropped and replaced
+    (ROLL's behaviour). ``"wait"``: a batch first waits for every live group that would be
+    too old after the next weight update and takes the oldest groups first, so with one
+    update per batch no group is ever stale or dropped for it; grants never expire. It
+    needs an int ``async_generation_ratio`` and no ``max_traj_per_env`` (docs/off-policy.md).
+
     ``max_traj_per_env`` (ROLL's name; ``None`` or ROLL's ``-1``: just one batch) sets
     how many trajectories each step starts per env slot, rollpipe's env slots being its
     ``concurrency`` parallel episodes (ROLL's ``num_env_groups * group_size`` envs):
@@ -181,6 +201,7 @@ class PipelineConfig:
     collate: CollateSettings = attrs.field(factory=CollateSettings)
     batch_size: int = attrs.field(default=16, validator=int_in(1, MAX_BATCH_SIZE))
     async_generation_ratio: int | None = attrs.field(default=0, validator=_ratio)
+    max_off_policy_strategy: str = attrs.field(default="drop", validator=_strategy)
     max_traj_per_env: int | None = attrs.field(
         default=None,
         converter=_minus_one_is_none,
@@ -210,6 +231,18 @@ class PipelineConfig:
                     f"concurrency={concurrency} starts fewer trajectories per step "
                     f"than batch_size={self.batch_size}; raise max_traj_per_env to at least "
                     f"{math.ceil(self.batch_size / concurrency)} (or -1: one batch)"
+                )
+        if self.max_off_policy_strategy == "wait":
+            if self.async_generation_ratio is None:
+                raise ValueError(
+                    "PipelineConfig.max_off_policy_strategy='wait' needs async_generation_ratio "
+                    "(an int: the bound to wait for); with None nothing is ever stale"
+                )
+            if self.max_traj_per_env is not None:
+                raise ValueError(
+                    f"PipelineConfig.max_off_policy_strategy='wait' with max_traj_per_env="
+                    f"{self.max_traj_per_env}: 'wait' admits one batch of groups per step (AReaL's "
+                    "bound), more would go stale; leave max_traj_per_env unset or use 'drop'"
                 )
         if collate.level == "step" and episode.history_window is None:
             raise ValueError(

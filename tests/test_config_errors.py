@@ -87,6 +87,7 @@ BAD: dict[str, list[Any]] = {
     "keep_group": [3, "nope", "zero_variance", True, "os:no_such_function"],
     "drop_group": [3, "nope", "scores_differ", True],
     "async_generation_ratio": [-1, 1.5, "0", True, 10**30],
+    "max_off_policy_strategy": ["Drop", "block", "", None, 1, True],
     "max_traj_per_env": [0, -2, 1.5, "1", True, 10**30],
     "max_drops_in_a_row": [0, -1, 1.5, "10", True, None, 10**30],
     "in_order": ["yes", "no", 1, 0],
@@ -320,3 +321,14 @@ def test_from_dict_needs_a_mapping(data: Any, shown: str) -> None:
 def test_renamed_keys_give_the_new_name(old: str, new: str) -> None:
     with pytest.raises(ValueError, match=rf"{old} was renamed.*{new}"):
         PipelineConfig.from_dict({old: 1})
+
+
+def test_the_wait_strategy_needs_a_bound_and_one_batch_per_step() -> None:
+    assert PipelineConfig().max_off_policy_strategy == "drop"  # verl's and ROLL's behaviour
+    assert PipelineConfig(max_off_policy_strategy="wait").max_off_policy_strategy == "wait"
+    with pytest.raises(ValueError, match=r"max_off_policy_strategy='wait' needs async_gen"):
+        PipelineConfig(max_off_policy_strategy="wait", async_generation_ratio=None)
+    with pytest.raises(ValueError, match=r"'wait' with max_traj_per_env=2"):
+        PipelineConfig(
+            max_off_policy_strategy="wait", max_traj_per_env=2, concurrency=16, batch_size=16
+        )

@@ -9,6 +9,13 @@ assembler applies (``group_rules.is_stale``): a group that became too old while 
 weights were updated after it was accepted) is dropped, counted (``stale``, its tokens in
 ``wasted_tokens``), and replaced through the signals, so with ``max_staleness=0`` a batch
 holds only tokens of the weights current when it is returned.
+
+With ``wait=True`` (``max_off_policy_strategy="wait"``) a batch instead waits for every
+live group that would be too old after one more weight update (started at a version
+``<= current - max_staleness``, as the signals' ledger records), and takes the oldest
+groups first; the younger ones are carried to the next batch. With the pipeline's grants
+(AReaL's admission bound) and one update per batch, no group goes stale; the staleness
+check above stays as a safety net (weights updated more often than once per batch).
 """
 
 from __future__ import annotations
@@ -64,7 +71,10 @@ class Batch(BaseNode[TrajectoryBatch]):
         max_staleness: re-check each batch as it completes (see the module doc); None:
             no check.
         current_version: the current policy version (needed with ``max_staleness``).
-        signals: receives a replacement request for each group dropped here.
+        signals: receives a replacement request for each group dropped here, and learns
+            which groups the trainer consumed (``retire``).
+        wait: wait for the groups about to go stale and take the oldest first (see the
+            module doc); needs ``max_staleness`` and ``signals``.
     """
 
     def __init__(
@@ -76,6 +86,7 @@ class Batch(BaseNode[TrajectoryBatch]):
         max_staleness: int | None = None,
         current_version: Callable[[], int] | None = None,
         signals: UpstreamSignals | None = None,
+        wait: bool = False,
     ) -> None:
         super().__init__()
         self.source = source
@@ -89,6 +100,9 @@ class Batch(BaseNode[TrajectoryBatch]):
         self.max_staleness = max_staleness
         self.current_version = current_version
         self.signals = signals
+        if wait and (max_staleness is None or signals is None):
+            raise ValueError("Batch: wait=True needs max_staleness and signals")
+        self.wait = wait
         self._requested: int | None = None  # the next batch's size, from request()
         self._carry: list[Group] = []  # a group that did not fit, kept for the next batch
         self._dropped = Group(0, ())  # the counts of groups dropped here, not yet reported
@@ -145,7 +159,75 @@ class Batch(BaseNode[TrajectoryBatch]):
         errors = (*self._dropped.errors, *group.errors)
         self._dropped = Group(0, (), drops=drops, tag_drops=tag_drops, errors=errors)
         if self.signals is not None:
+            self.signals.retire(group.group_id)
             self.signals.request_groups(1)
+
+    def _due_upstream(self, held: list[Group]) -> bool:
+        """Wait policy: a live group not here yet would be stale after one more update."""
+        if not self.wait or self.signals is None or self.current_version is None:
+            return False
+        limit = self.current_version() - (self.max_staleness or 0)
+        here = {g.group_id for g in held}
+        started = self.signals.started_versions()
+        return any(v <= limit and g not in here for g, v in started.items())
+
+    def _collect(self, target: int, groups: list[Group]) -> list[Group]:
+        """Groups for a batch of ``target`` trajectories, after the ``groups`` kept."""
+        if self.wait:
+            return self._collect_oldest(target, groups)
+        count = sum(len(g.trajectories) for g in groups)
+        while target == -1 or count < target:
+            try:
+                group = self._carry.pop() if self._carry else next(self.source)
+            except StopIteration:
+                if not groups or (self.drop_last and target != -1):
+                    raise
+                break
+            self._check_fit(target, count, group, [*groups, group])
+            groups.append(group)
+            count += len(group.trajectories)
+        return groups
+
+    def _collect_oldest(self, target: int, groups: list[Group]) -> list[Group]:
+        """Wait policy: pull until the batch is full and no due group is upstream, then
+        take the oldest groups (oldest token, then group id); carry the rest."""
+        held = [*groups, *self._carry[::-1]]
+        self._carry = []
+        ended = False
+        while target == -1 or self._size(held) < target or self._due_upstream(held):
+            try:
+                held.append(next(self.source))
+            except StopIteration:
+                ended = True
+                break
+        held.sort(key=_age)
+        taken: list[Group] = []
+        for group in held:
+            if target != -1 and self._size(taken) >= target:
+                break
+            self._check_fit(target, self._size(taken), group, held)
+            taken.append(group)
+        self._carry = held[len(taken) :][::-1]
+        short = target != -1 and self._size(taken) < target
+        if not taken or (ended and short and self.drop_last):
+            self._carry = held[::-1]
+            raise StopIteration
+        return taken
+
+    @staticmethod
+    def _size(groups: list[Group]) -> int:
+        return sum(len(g.trajectories) for g in groups)
+
+    def _check_fit(self, target: int, count: int, group: Group, keep: list[Group]) -> None:
+        """A batch holds whole groups: ``group`` must not overflow ``target`` (else
+        ``keep`` is carried, nothing lost, and the error names the sizes)."""
+        size = len(group.trajectories)
+        if target != -1 and count + size > target:
+            self._carry = keep[::-1]
+            raise ValueError(
+                f"Batch: num_trajectories={target} is not a multiple of the group "
+                f"size ({size}); a batch holds whole groups — pick a multiple of {size}"
+            )
 
     def _with_dropped(self, group: Group) -> Group:
         """``group`` carrying the counts of the groups dropped here before it."""
@@ -164,36 +246,23 @@ class Batch(BaseNode[TrajectoryBatch]):
         self._requested = None
         self._check_size(target)
         groups: list[Group] = []
-        count = 0
         while True:
-            while target == -1 or count < target:
-                try:
-                    group = self._carry.pop() if self._carry else next(self.source)
-                except StopIteration:
-                    if not groups or (self.drop_last and target != -1):
-                        raise
-                    break
-                size = len(group.trajectories)
-                if target != -1 and count + size > target:
-                    self._carry = [*groups, group][::-1]  # nothing is lost: retried next call
-                    raise ValueError(
-                        f"Batch: num_trajectories={target} is not a multiple of the group "
-                        f"size ({size}); a batch holds whole groups — pick a multiple of {size}"
-                    )
-                groups.append(group)
-                count += size
+            groups = self._collect(target, groups)
             fresh = self._fresh(groups)
             if len(fresh) == len(groups):
                 break
             for group in groups:  # the weights changed while they waited here
                 if not any(group is f for f in fresh):
                     self._drop_stale(group)
-            groups, count = fresh, sum(len(g.trajectories) for g in fresh)
+            groups = fresh
         if groups:
             groups[0] = self._with_dropped(groups[0])
         drops: Counter[str] = Counter()
         for group in groups:
             drops.update(group.drops)
+        if self.signals is not None:
+            for group in groups:  # consumed: they leave the ledger of live groups
+                self.signals.retire(group.group_id)
         now = time.perf_counter()
         wall, self._last_emit = now - self._last_emit, now
         self._stream_tokens += sum(t.num_generated_tokens for g in groups for t in g.trajectories)
@@ -204,3 +273,9 @@ class Batch(BaseNode[TrajectoryBatch]):
             stream_time_s=now - self._start,
             stream_tokens=self._stream_tokens,
         )
+
+
+def _age(group: Group) -> tuple[int, int]:
+    """Oldest first: by the version of the oldest token (none: last), then group id."""
+    oldest = group.min_version
+    return (oldest if oldest >= 0 else 2**62, group.group_id)

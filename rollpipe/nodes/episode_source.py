@@ -12,7 +12,7 @@ same counter is also the position in the pass.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -152,6 +152,9 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
         expire_after: metered only: a granted group not yet started when a grant of a
             step more than this many steps newer arrives is never started (counted in
             ``expired_groups``), as ROLL's GroupQueue expires groups at ``advance_step``.
+        current_version: when given (``max_off_policy_strategy="wait"``), each group's
+            start version is recorded in ``signals`` (``note_started``), so that the
+            Batch can wait for the groups about to go stale instead of dropping them.
         dataset: draw group ``g``'s row from it (see ``rollpipe.nodes.dataset``); the
             source ends after its epochs, or after ``num_groups`` if that comes first.
     """
@@ -168,6 +171,7 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
         metered: bool = False,
         expire_after: int | None = None,
         dataset: DatasetSettings | None = None,
+        current_version: Callable[[], int] | None = None,
     ) -> None:
         super().__init__()
         if num_groups is not None:
@@ -187,6 +191,9 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
         if expire_after is not None:
             check_int("EpisodeSource.expire_after (or None)", expire_after, 0)
         self.expire_after = expire_after
+        if current_version is not None and signals is None:
+            raise ValueError("EpisodeSource: current_version needs signals to record starts")
+        self.current_version = current_version
         self.dataset = dataset
         self._rows = None if dataset is None else RowOrder(dataset, seed)
         self._row: tuple[int, tuple[int, Any] | None] | None = None  # (group, its row)
@@ -207,6 +214,7 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
         signals: UpstreamSignals | None = None,
         metered: bool = False,
         expire_after: int | None = None,
+        current_version: Callable[[], int] | None = None,
     ) -> EpisodeSource:
         """The source ``settings`` describe, with the pipeline's wiring."""
         s = settings
@@ -220,6 +228,7 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
             metered=metered,
             expire_after=expire_after,
             dataset=s.dataset,
+            current_version=current_version,
         )
 
     @property
@@ -320,8 +329,11 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
     def next(self) -> EpisodeSpec:
         if self.signals is not None:
             self._take_requests(self.signals)
-        if self._member == 0 and not self._start_group():
-            raise StopIteration
+        if self._member == 0:
+            if not self._start_group():
+                raise StopIteration
+            if self.current_version is not None and self.signals is not None:
+                self.signals.note_started(self._group, self.current_version())
         spec = self.spec(self._group, self._member)
         self._member += 1
         if self._member == self.members_per_group:

@@ -82,7 +82,8 @@ class GroupAssembler(BaseNode[Group]):
             polarity): a callable, a name in ``DROP_RULES`` (``"zero_variance"``) or an
             import path. Both may be given: a group must pass both.
         max_staleness: drop a group whose oldest token is more than this many policy
-            versions behind ``current_version()``.
+            versions behind ``current_version()`` (the ``drop`` policy; with ``wait``
+            the chain leaves it None and the Batch keeps groups from going stale).
         current_version: the trainer's current policy version (usually ``engine.version``).
         signals: shared signals: cancels redundant members and requests replacements.
         max_drops_in_a_row: groups dropped one after another, with none kept, before
@@ -210,6 +211,7 @@ class GroupAssembler(BaseNode[Group]):
             if self.redundancy or drop_reason is not None:
                 self.signals.cancel_group(group_id)
             if drop_reason is not None:
+                self.signals.retire(group_id)  # it leaves the ledger of live groups
                 self.signals.request_groups(1)
         if drop_reason is not None:
             self._drop(drop_reason, tag)

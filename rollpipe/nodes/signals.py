@@ -1,14 +1,16 @@
 """The signals that flow back upstream, against the records.
 
-Records flow one way (specs → trajectories → groups → batches). Three signals flow
-back: admission (read from the pipeline's one ``Suspension``: no new episode or engine
-request while the trainer updates weights), group cancellations (redundant members no
-longer needed) and requests for more groups (the pipeline's grants, and replacements
-for a group that was filtered, stale or errored). One ``UpstreamSignals`` is shared by
-the stages of a pipeline; each stage that needs it takes it as an argument, so a
-stage used alone needs none. A stage that must react to a signal at once (the rollout's
-admission driver) registers a listener, called on every change from whatever thread
-made it: nothing polls.
+Records flow one way (specs → trajectories → groups → batches). Three signals flow back:
+admission (read from the pipeline's one ``Suspension``: no new episode or engine request
+while the trainer updates weights), group cancellations (redundant members no longer
+needed) and requests for more groups (the pipeline's grants, and replacements for a
+group that was filtered, stale or errored). With ``max_off_policy_strategy="wait"`` they
+also hold the ledger of live groups: the policy version each group started at, until the
+trainer consumes it or it is dropped (the Batch waits for the old ones). One
+``UpstreamSignals`` is shared by the stages of a pipeline; each stage that needs it
+takes it as an argument, so a stage used alone needs none. A stage that must react to a
+signal at once (the rollout's admission driver) registers a listener, called on every
+change from whatever thread made it: nothing polls.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class UpstreamSignals:
         self._replacements = 0
         self._grants: list[tuple[int, int]] = []  # (groups, step) not yet taken
         self._made = 0  # replacements + grants ever asked for
+        self._started: dict[int, int] = {}  # live group id -> version it started at
         self._listeners = Listeners()
         self.suspension.add_listener(self._listeners.notify)
 
@@ -131,6 +134,23 @@ class UpstreamSignals:
             grants, self._grants = self._grants, []
             return grants
 
+    # -- the ledger of live groups (wait policy) ---------------------------------------
+    def note_started(self, group_id: int, version: int) -> None:
+        """The source started ``group_id`` while the policy was at ``version`` (its
+        oldest token can be no older)."""
+        with self._lock:
+            self._started[group_id] = version
+
+    def retire(self, group_id: int) -> None:
+        """``group_id`` left the pipeline (consumed by the trainer, or dropped)."""
+        with self._lock:
+            self._started.pop(group_id, None)
+
+    def started_versions(self) -> dict[int, int]:
+        """Live groups (started, not yet consumed or dropped) -> their start version."""
+        with self._lock:
+            return dict(self._started)
+
     # -- checkpointing --------------------------------------------------------------
     def get_state(self) -> dict[str, object]:
         with self._lock:
@@ -138,6 +158,7 @@ class UpstreamSignals:
                 "cancelled": sorted(self._cancelled),
                 "replacements": self._replacements,
                 "grants": [list(g) for g in self._grants],
+                "started": sorted([g, v] for g, v in self._started.items()),
             }
 
     def load_state(self, state: dict[str, object] | None) -> None:
@@ -145,8 +166,11 @@ class UpstreamSignals:
             self._settled = 0
             if state is None:
                 self._cancelled, self._replacements, self._grants = set(), 0, []
+                self._started = {}
             else:
                 self._cancelled = set(state["cancelled"])  # type: ignore[call-overload]
                 self._replacements = int(state["replacements"])  # type: ignore[call-overload]
                 grants = state.get("grants", [])
                 self._grants = [(int(n), int(s)) for n, s in grants]  # type: ignore[attr-defined]
+                started = state.get("started", [])
+                self._started = {int(g): int(v) for g, v in started}  # type: ignore[attr-defined]
