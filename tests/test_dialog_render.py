@@ -113,7 +113,6 @@ def play(
     tools: ToolSet,
     first: Any,
     turns: list[Any],
-    extend_later: bool = False,
     **options: Any,
 ) -> tuple[Recording, list[int], list[list[int]], list[bool]]:
     """One conversation: the dialog, its ids, each turn's appended ids, each turn's break;
@@ -139,13 +138,7 @@ def play(
         if not new:  # a turn always gets an answer
             new = [{"role": "user", "content": results[0]}]
         done = len(dialog.sizes)
-        if extend_later:  # as the front door: ids first, messages once the engine answered
-            size = len(dialog.messages)
-            more, broke = dialog.continuation(new, response, keep=False)
-            assert len(dialog.messages) == size and dialog.prefix_breaks == 0
-            dialog.extend(new)
-        else:
-            more, broke = dialog.continuation(new, response)
+        more, broke = dialog.continuation(new, response)
         widest.append((max(dialog.sizes[done:]), len(dialog.messages)))
         ids = [*ids, *response, *more]
         added.append(more)
@@ -216,14 +209,3 @@ def test_a_template_that_renders_the_window_otherwise_falls_back_to_whole_render
     assert dialog.full_render and not any(breaks)
     assert ids == chat.encode(chat.render_messages(dialog.messages, generation_prompt=True))
     assert max(dialog.sizes[-2:]) == len(dialog.messages)  # the last turn rendered the whole
-
-
-def test_a_continuation_not_kept_leaves_the_dialog_until_extended(
-    formats: dict[str, ChatFormat],
-) -> None:
-    """``continuation(keep=False)`` then ``extend``: the same ids, messages and text."""
-    chat = formats["tools/default"]
-    turns = [("A", [("add", {"a": t, "b": 1})] * (t % 2), False, ["A1"] * 3, []) for t in range(9)]
-    kept, ids, _, _ = play(chat, ToolSet([add]), "Add.", turns)
-    later, later_ids, _, _ = play(chat, ToolSet([add]), "Add.", turns, extend_later=True)
-    assert later_ids == ids and later.messages == kept.messages and later.text == kept.text

@@ -122,11 +122,10 @@ class Dialog:
         return action
 
     def continuation(
-        self, observation: Observation, response_ids: Sequence[int], *, keep: bool = True
+        self, observation: Observation, response_ids: Sequence[int]
     ) -> tuple[list[int], bool]:
         """The ids appended after ``response_ids`` for the env's new messages, and whether
-        the template broke the prefix (see the module doc). ``keep=False`` leaves the
-        conversation as it was (add the messages later with :meth:`extend`)."""
+        the template broke the prefix (see the module doc)."""
         new = as_messages(observation)
         said = str(self.chat.tokenizer.decode(list(response_ids), skip_special_tokens=False))
         text, broke, whole = None, False, None
@@ -145,17 +144,10 @@ class Dialog:
                 text, broke, whole = checked
         if text is None:
             text, broke, whole = self._diff(self.messages, self.text, new, said, response_ids)
-        if keep:
-            self.prefix_breaks += broke
-            self.messages.extend(new)
-            self._text, self._text_upto = whole, len(self.messages)
+        self.prefix_breaks += broke
+        self.messages.extend(new)
+        self._text, self._text_upto = whole, len(self.messages)
         return self.chat.encode(text), broke
-
-    def extend(self, observation: Observation) -> None:
-        """Add messages whose ids the prompt already holds (from ``continuation(...,
-        keep=False)``); ``text`` is rendered when next asked for."""
-        self.messages.extend(as_messages(observation))
-        self._text, self._text_upto = None, len(self.messages)
 
     def _window(self) -> list[Mapping[str, Any]] | None:
         """The head and the last exchange (see the module doc); ``None`` when that is the
