@@ -42,6 +42,7 @@ BENCHMARKS = (
     "overhead",
     "collate",
     "on_policy",
+    "staleness",
     "pool",
     "remote",
     "learning",
@@ -56,6 +57,7 @@ NEEDS_ENGINE = {
     "pause",
     "overhead",
     "on_policy",
+    "staleness",
     "frontdoor",
 }
 LEVELS = (1, 8, 64, 256)
@@ -92,6 +94,17 @@ SUMMARY = (
         "on_policy_ratio1_wasted_tokens_per_batch",
         "—",
         "{:.0f}",
+    ),
+    ("13", "Staleness drop: trajectories/s", "staleness_drop_trajectories_per_s", "—", "{:.1f}"),
+    ("13", "Staleness wait: trajectories/s", "staleness_wait_trajectories_per_s", "—", "{:.1f}"),
+    ("13", "Staleness drop: tokens wasted", "staleness_drop_wasted_share", "—", "{:.3f}"),
+    ("13", "Staleness wait: tokens wasted", "staleness_wait_wasted_share", "—", "{:.3f}"),
+    (
+        "13",
+        "Staleness wait ÷ drop trajectories/s",
+        "staleness_wait_vs_drop_trajectories",
+        "—",
+        "{:.2f}×",
     ),
     ("8", "Pool: sticky ÷ random routing tokens/s", "pool_sticky_vs_random", "—", "{:.2f}×"),
     (
