@@ -70,6 +70,7 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     stop: tuple[str, ...] = ()
+    raw_messages: list[Any] = attrs.field(factory=list, eq=False, repr=False)
 
 
 def _text(content: Any, where: str) -> str:
@@ -232,9 +233,23 @@ def _flag(body: Mapping[str, Any], key: str) -> bool:
     return value
 
 
-def parse_chat_request(body: Any) -> ChatRequest:
+def _messages(messages: list[Any], known: ChatRequest | None) -> tuple[dict[str, Any], ...]:
+    """``messages`` normalised; those that repeat ``known``'s (an earlier request of the
+    session: an agent resends its whole history) are taken from it, not checked again."""
+    head: tuple[dict[str, Any], ...] = ()
+    if known is not None:
+        n = len(known.raw_messages)
+        if len(messages) >= n and messages[:n] == known.raw_messages:
+            head = known.messages
+    start = len(head)
+    tail = (normalise_message(m, f"messages[{i}]") for i, m in enumerate(messages[start:], start))
+    return head + tuple(tail)
+
+
+def parse_chat_request(body: Any, known: ChatRequest | None = None) -> ChatRequest:
     """``body`` (decoded JSON) as a :class:`ChatRequest`; :class:`RequestError` naming
-    the first field that is wrong."""
+    the first field that is wrong. ``known``: the session's last request, whose messages
+    need no second check where this one repeats them."""
     if not isinstance(body, Mapping):
         raise RequestError("the request body must be a JSON object", None)
     if not isinstance(body.get("model"), str):
@@ -243,7 +258,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list of chat messages", "messages")
-    checked = tuple(normalise_message(m, f"messages[{i}]") for i, m in enumerate(messages))
+    checked = _messages(messages, known)
     tools = body.get("tools") or []
     if not isinstance(tools, list):
         raise RequestError("tools must be a list of function tools", "tools")
@@ -279,4 +294,5 @@ def parse_chat_request(body: Any) -> ChatRequest:
         stream=stream,
         include_usage=bool(options.get("include_usage", False)),
         stop=_stop(body.get("stop")),
+        raw_messages=messages,
     )

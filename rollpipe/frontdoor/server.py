@@ -249,7 +249,8 @@ class FrontDoor:
                 body = await request.json()
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise RequestError(f"the body is not valid JSON: {exc}", None) from exc
-            parsed = parse_chat_request(body)
+            parsed = parse_chat_request(body, session.last_request)
+            session.last_request = parsed
             task = asyncio.current_task()
             assert task is not None
             session.in_flight.add(task)

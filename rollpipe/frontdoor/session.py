@@ -17,6 +17,7 @@ one row per session row and ``step_rows`` exactly each request's tokens.
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -40,12 +41,14 @@ __all__ = ["AgentSession", "Prompt"]
 @attrs.frozen
 class Prompt:
     """One request's engine prompt: all of ``ids``; ``added`` is what it appended to the
-    row (the whole prompt when ``new_row``); ``new`` the messages it added."""
+    row (the whole prompt when ``new_row``); ``new`` the messages it added. ``dialog`` is
+    the session's conversation with them added, adopted once the engine answered."""
 
     ids: CheckedIds
     added: list[int]
     new_row: bool
     new: tuple[dict[str, Any], ...]
+    dialog: Dialog
 
 
 class AgentSession:
@@ -74,6 +77,7 @@ class AgentSession:
         self.failure: BaseException | None = None  # an engine error or request timeout
         self.in_flight: set[asyncio.Task[Any]] = set()
         self.route = Session(spec.episode_id)  # an engine pool keeps its calls on one rank
+        self.last_request: ChatRequest | None = None  # its messages are not checked twice
         self._dialog: Dialog | None = None
         self._tools: tuple[dict[str, Any], ...] = ()
         self._context = CheckedIds()  # the current row's ids so far
@@ -94,16 +98,15 @@ class AgentSession:
         ):
             new = messages[len(dialog.messages) :]
             last = self.rows[-1][-1].response_ids
-            saved = (list(dialog.messages), dialog.text, dialog.prefix_breaks)
-            try:
-                added, broke = self._rendering(lambda: dialog.continuation(new, last))
-            finally:  # recorded only once the engine answered (record)
-                dialog.messages, dialog.text, dialog.prefix_breaks = saved
+            trial = copy.copy(dialog)  # the session's own is changed only by record()
+            trial.messages = list(dialog.messages)
+            added, broke = self._rendering(lambda: trial.continuation(new, last))
             if not broke:
-                return Prompt(self._context.extended(added), added, False, tuple(new))
+                ids = self._context.extended(added)
+                return Prompt(ids, added, False, tuple(new), trial)
         fresh = self._fresh_dialog(request)
         ids = self._rendering(lambda: fresh.first_prompt(messages))
-        return Prompt(CheckedIds(ids), ids, bool(self.rows), tuple(messages))
+        return Prompt(CheckedIds(ids), ids, bool(self.rows), tuple(messages), fresh)
 
     def _fresh_dialog(self, request: ChatRequest) -> Dialog:
         try:
@@ -136,17 +139,10 @@ class AgentSession:
         """Add the call to the session; the parsed response and its assistant message.
         ``text``: the response's text when not its ids' (cut before a stop string)."""
         if prompt.new_row or self._dialog is None:
-            self._dialog = self._fresh_dialog(request)
-            self._dialog.messages = list(request.messages)
             self._tools = request.tools
             self.rows.append([])
             self.prefix_breaks += prompt.new_row
-        else:
-            self._dialog.messages.extend(prompt.new)
-        dialog = self._dialog
-        dialog.text = dialog.chat.render_messages(
-            dialog.messages, generation_prompt=True, tools=dialog.tools.schemas
-        )
+        self._dialog = dialog = prompt.dialog  # the conversation up to this call's prompt
         if text is None:
             text = self.chat.decode_for_parsing(gen.token_ids)
         if request.tool_choice == "none" or dialog.parser is None:
