@@ -35,6 +35,11 @@ class LoopEngine(ScriptedEngine):
     def __init__(self, tokenizer: Any) -> None:
         super().__init__(tokenizer, [])
         self.runtime = Runtime("scripted-engine")
+        self.params: list[Any] = []
+
+    async def generate(self, prompt_ids: Any, params: Any) -> Any:
+        self.params.append(params)
+        return await super().generate(prompt_ids, params)
 
 
 @pytest.fixture
@@ -114,6 +119,26 @@ def test_a_stop_string_that_does_not_appear_changes_nothing(engine: LoopEngine) 
     assert list(traj.turns[0].response_ids) == engine.responses[0]
 
 
+def test_vllms_ignore_eos_reaches_the_engine(engine: LoopEngine) -> None:
+    engine.texts = ["a b c", "a b c"]
+    eot = engine.tokenizer.convert_tokens_to_ids(EOT)
+    with FrontDoor(engine, engine.tokenizer, SETTINGS) as door:
+        session = door.open_session()
+
+        async def ask(extra: dict[str, Any]) -> None:
+            async with openai.AsyncOpenAI(
+                base_url=door.url, api_key=session.key, max_retries=0
+            ) as client:
+                hi = [{"role": "user", "content": "count"}]
+                await client.chat.completions.create(model="m", messages=hi, extra_body=extra)  # type: ignore[arg-type]
+
+        asyncio.run(ask({"ignore_eos": True}))
+        asyncio.run(ask({}))
+    ignoring, default = engine.params
+    assert ignoring.ignore_eos and eot not in ignoring.stop_token_ids
+    assert not default.ignore_eos and eot in default.stop_token_ids
+
+
 NAMED = {"type": "function", "function": {"name": "add"}}
 
 
@@ -128,6 +153,7 @@ NAMED = {"type": "function", "function": {"name": "add"}}
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "'e'"),
         ({"stop": ["ok", ""]}, "stop", "stop[1]"),
         ({"stop": 7}, "stop", "7"),
+        ({"ignore_eos": "yes"}, "ignore_eos", "'yes'"),
     ],
 )
 def test_what_the_server_does_not_do_is_a_400_naming_field_and_value(

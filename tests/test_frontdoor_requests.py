@@ -36,6 +36,7 @@ KEYS = st.sampled_from(
         "stop",
         "chat_template",
         "stream_options",
+        "ignore_eos",
     ]
 )
 MESSAGE = st.fixed_dictionaries(
@@ -77,6 +78,7 @@ def test_any_body_is_a_request_or_an_error_naming_a_field(
             "chat_template",
             "stream_options",
             "max_completion_tokens",
+            "ignore_eos",
         }
         return
     assert isinstance(request, ChatRequest) and request.messages

@@ -190,6 +190,8 @@ def _sampling(body: Mapping[str, Any]) -> dict[str, Any]:
         sampling["top_k"] = max(0, top_k)  # vLLM's -1 and rollpipe's 0 both mean off
     if body.get("seed") is not None:
         sampling["seed"] = _number(body, "seed", 0, 2**63 - 1, integer=True)
+    if body.get("ignore_eos") is not None:  # vLLM's extra field
+        sampling["ignore_eos"] = _flag(body, "ignore_eos")
     return sampling
 
 

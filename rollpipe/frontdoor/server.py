@@ -315,7 +315,7 @@ class FrontDoor:
         max_tokens = min(wanted.pop("max_tokens", base.max_tokens), budget)
         stop = tuple(base.stop_token_ids)
         eot = self.chat.eot_id
-        if eot is not None and eot not in stop and not base.ignore_eos:
+        if eot is not None and eot not in stop and not wanted.get("ignore_eos", base.ignore_eos):
             stop = (*stop, eot)
         spec = session.spec
         seed = wanted.pop("seed", derive_seed(spec.seed, spec.episode_id, session.calls))
