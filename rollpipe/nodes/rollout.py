@@ -45,7 +45,7 @@ from rollpipe.engines.protocol import Engine
 from rollpipe.nodes.admitted import Admitted
 from rollpipe.nodes.closing import close_chain
 from rollpipe.nodes.signals import UpstreamSignals
-from rollpipe.runtime import Runtime, RuntimeClosedError, Signal
+from rollpipe.runtime import Feed, Runtime, RuntimeClosedError, Signal
 
 _END = object()  # the stream is over (a coroutine cannot raise StopIteration)
 CLOSE_WAIT_S = 0.5  # how long close() waits for episodes and threads to stop
@@ -209,15 +209,15 @@ class Rollout(BaseNode[Trajectory]):
     async def _pull(self, n: int) -> None:
         """Pull up to ``n`` specs from the source on its thread, admitting each as it comes.
 
-        All ``n`` pulls are queued on the source thread at once, so a wave of specs
-        arrives between two engine steps instead of one spec per step; a pull that blocks
-        holds back only the specs after it.
+        One job on the source thread pulls them one after another (a ``Feed``), so a
+        wave of specs arrives between two engine steps instead of one spec per step,
+        without a thread hop per spec; a pull that blocks holds back only the specs after
+        it. The wave ends early when the source runs dry.
         """
-        loop = asyncio.get_running_loop()
-        pulls = [loop.run_in_executor(self._source_thread, self._pull_one) for _ in range(n)]
+        feed = Feed(self._source_thread, self._pull_one, n, last=lambda p: p[0] is None)
         try:
-            for pull in pulls:
-                spec, state, requests_made = await pull
+            while (pulled := await feed.next()) is not None:
+                spec, state, requests_made = pulled
                 if spec is None:
                     self._source_done = True
                     self._requests_at_stop = requests_made
@@ -227,8 +227,7 @@ class Rollout(BaseNode[Trajectory]):
                 self._requeue.append(spec)
                 self._admit_waiting()
         finally:
-            for pull in pulls:
-                pull.cancel()  # those not started yet (a reset or close stopped the driver)
+            feed.stop()  # a reset or close stopped the driver: no more pulls
 
     def _pull_one(self) -> tuple[EpisodeSpec | None, dict[str, Any] | None, int]:
         """Source thread: the next spec, the source's state after it, and how many groups
