@@ -16,12 +16,20 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torchdata.nodes import IterableWrapper
 
 from rollpipe._utils.seeding import derive_seed
+from rollpipe.agent.records import Group
 from rollpipe.data.proto import DataProto
 from rollpipe.engines.scripted import ScriptedEngine
 from rollpipe.envs import register
+from rollpipe.nodes.batch import Batch
+from rollpipe.nodes.signals import UpstreamSignals
 from rollpipe.pipeline import PipelineConfig, RolloutPipeline
+
+from records import make_trajectory
 
 ENV, SEED, SLOW_GROUPS, FAST_EPISODES = "test_held_back", 5, (0, 1), 8
 HOLD_LIMIT_S = 120.0  # only a guard against a hang: an env that waits this long errors
@@ -169,11 +177,14 @@ def test_wait_keeps_every_group_within_the_bound_and_drops_none(engine, tokenize
     with RolloutPipeline(config("wait"), engine, tokenizer) as pipe:
         seen = train(pipe, range(5))
         assert pipe.nodes.groups.total_drops["stale"] == 0
+        started = set(range(pipe.nodes.source._group))
+        live = set(pipe.nodes.signals.started_versions())
     assert all(s["staleness"] <= 1 for s in seen)
     assert sum(s["stale"] for s in seen) == 0 and sum(s["wasted"] for s in seen) == 0
     assert seen[1]["groups"] == {0, 1}  # batch 1 waited for the oldest groups
     batched = [g for s in seen for g in s["groups"]]
-    assert sorted(batched) == list(range(10))  # every group started is trained on, once
+    assert len(batched) == len(set(batched)) == 10  # none twice
+    assert started == set(batched) | live and not live & set(batched)  # none lost
 
 
 def test_a_checkpoint_while_waiting_keeps_the_ledger_and_the_carried_groups(engine, tokenizer):
@@ -188,10 +199,68 @@ def test_a_checkpoint_while_waiting_keeps_the_ledger_and_the_carried_groups(engi
         resumed.load_state_dict(state)
         assert resumed.nodes.signals.started_versions() == live
         rest = train(resumed, range(2, 5))
+        started = set(range(resumed.nodes.source._group))
+        live = set(resumed.nodes.signals.started_versions())
         assert resumed.nodes.signals.get_state()["started"] == sorted(
             [g, v] for g, v in resumed.nodes.signals.started_versions().items()
         )
     assert rest[0]["groups"] == {4, 5}  # the carried groups come first, none lost
     assert all(s["staleness"] <= 1 and s["stale"] == 0 for s in rest)
     batched = [g for s in [*first, *rest] for g in s["groups"]]
-    assert sorted(batched) == list(range(10))
+    assert len(batched) == len(set(batched)) == 10  # none twice
+    assert started == set(batched) | live and not live & set(batched)  # none lost
+
+
+# -- the Batch stage alone: any finishing order, AReaL's admission, one update a batch --
+
+
+class Clock:
+    step = version = 0
+
+
+def finishing(order: list[int], signals: Any, clock: Clock, ratio: int, per_batch: int) -> Any:
+    """Groups of two, started as the grants allow (``(step + 1 + ratio) * per_batch``,
+    each recorded at the version it starts at), finishing in the ``order`` drawn: each
+    pull finishes the live group ``order[i] % len(live)``, all its tokens at its start
+    version (the oldest they can be)."""
+    started, live = 0, []
+    for choice in order:
+        while started < (clock.step + 1 + ratio) * per_batch:
+            signals.note_started(started, clock.version)
+            live.append((started, clock.version))
+            started += 1
+        gid, version = live.pop(choice % len(live))
+        members = tuple(make_trajectory(gid, 2 * gid + i, version=version) for i in (0, 1))
+        yield Group(gid, members)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ratio=st.integers(0, 3),
+    per_batch=st.integers(1, 3),
+    order=st.lists(st.integers(0, 50), min_size=40, max_size=80),
+)
+def test_waiting_batches_hold_no_group_older_than_the_bound(ratio, per_batch, order):
+    signals, clock = UpstreamSignals(), Clock()
+    batches = Batch(
+        IterableWrapper(finishing(order, signals, clock, ratio, per_batch)),
+        2 * per_batch,
+        max_staleness=ratio,
+        current_version=lambda: clock.version,
+        signals=signals,
+        wait=True,
+    )
+    batches.reset()
+    seen: list[int] = []
+    for step in range(6):
+        clock.step = step
+        try:
+            batch = next(batches)
+        except StopIteration:
+            break
+        ages = [clock.version - g.min_version for g in batch.groups]
+        assert max(ages) <= ratio and "stale" not in batch.drops
+        seen += [g.group_id for g in batch.groups]
+        assert not set(signals.started_versions()) & set(seen)  # consumed: off the ledger
+        clock.version += 1  # the trainer's update
+    assert len(seen) == len(set(seen))  # none twice

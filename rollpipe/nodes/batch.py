@@ -10,12 +10,14 @@ weights were updated after it was accepted) is dropped, counted (``stale``, its 
 ``wasted_tokens``), and replaced through the signals, so with ``max_staleness=0`` a batch
 holds only tokens of the weights current when it is returned.
 
-With ``wait=True`` (``max_off_policy_strategy="wait"``) a batch instead waits for every
-live group that would be too old after one more weight update (started at a version
-``<= current - max_staleness``, as the signals' ledger records), and takes the oldest
-groups first; the younger ones are carried to the next batch. With the pipeline's grants
-(AReaL's admission bound) and one update per batch, no group goes stale; the staleness
-check above stays as a safety net (weights updated more often than once per batch).
+With ``wait=True`` (``max_off_policy_strategy="wait"``) a batch instead takes the oldest
+live groups by the version they started at (the signals' ledger), waiting for those not
+finished yet, and among groups of the same version the first to finish; it also waits
+for every group that would be too old after one more update. The rest are carried to
+the next batch. With the pipeline's grants (AReaL's admission bound) and one update per
+batch, no group goes stale: groups leave oldest first, so the ones at the bound always
+fit in the batch. The staleness check above stays as a safety net (weights updated more
+often than once per batch).
 """
 
 from __future__ import annotations
@@ -162,14 +164,25 @@ class Batch(BaseNode[TrajectoryBatch]):
             self.signals.retire(group.group_id)
             self.signals.request_groups(1)
 
-    def _due_upstream(self, held: list[Group]) -> bool:
-        """Wait policy: a live group not here yet would be stale after one more update."""
-        if not self.wait or self.signals is None or self.current_version is None:
+    def _older_upstream(self, held: list[Group], target: int) -> bool:
+        """Wait policy: a live group not here yet must be in this batch, because it
+        started before a group the batch would take, or it would be too old after one
+        more update."""
+        if self.signals is None or self.current_version is None or not held:
             return False
-        limit = self.current_version() - (self.max_staleness or 0)
-        here = {g.group_id for g in held}
         started = self.signals.started_versions()
-        return any(v <= limit and g not in here for g, v in started.items())
+        here = {g.group_id for g in held}
+        upstream = [v for g, v in started.items() if g not in here]
+        if not upstream:
+            return False
+        due = self.current_version() - (self.max_staleness or 0)
+        if min(upstream) <= due:
+            return True
+        if target == -1:
+            return False
+        fill = -(-target // len(held[0].trajectories))  # groups this batch takes
+        here_versions = sorted(started.get(g.group_id, g.min_version) for g in held)
+        return min(upstream) < here_versions[min(fill, len(held)) - 1]
 
     def _collect(self, target: int, groups: list[Group]) -> list[Group]:
         """Groups for a batch of ``target`` trajectories, after the ``groups`` kept."""
@@ -189,18 +202,20 @@ class Batch(BaseNode[TrajectoryBatch]):
         return groups
 
     def _collect_oldest(self, target: int, groups: list[Group]) -> list[Group]:
-        """Wait policy: pull until the batch is full and no due group is upstream, then
-        take the oldest groups (oldest token, then group id); carry the rest."""
+        """Wait policy: pull until the batch is full and no older group is upstream,
+        then take the oldest groups by start version (ties: first to finish); carry
+        the rest. Taking them oldest first keeps every later batch within the bound."""
         held = [*groups, *self._carry[::-1]]
         self._carry = []
         ended = False
-        while target == -1 or self._size(held) < target or self._due_upstream(held):
+        while target == -1 or self._size(held) < target or self._older_upstream(held, target):
             try:
                 held.append(next(self.source))
             except StopIteration:
                 ended = True
                 break
-        held.sort(key=_age)
+        started = self.signals.started_versions() if self.signals is not None else {}
+        held.sort(key=lambda g: started.get(g.group_id, g.min_version))  # stable: ties
         taken: list[Group] = []
         for group in held:
             if target != -1 and self._size(taken) >= target:
@@ -273,9 +288,3 @@ class Batch(BaseNode[TrajectoryBatch]):
             stream_time_s=now - self._start,
             stream_tokens=self._stream_tokens,
         )
-
-
-def _age(group: Group) -> tuple[int, int]:
-    """Oldest first: by the version of the oldest token (none: last), then group id."""
-    oldest = group.min_version
-    return (oldest if oldest >= 0 else 2**62, group.group_id)
