@@ -20,6 +20,10 @@ of every episode, divided by the turns taken; the engine's share is in that CPU 
   (1e6 / that; target ≥ 10,000 at 1024) and ``turns_per_s_{N}inflight`` the wall rate.
 * ``rss_kb_per_episode_{N}inflight``: the resident memory the run grew by at its peak
   (sampled by the engine every 64 requests), per episode in flight.
+* The run holds torch to one intra-op thread (restored after): the figures are what one
+  core does. With torch's default threads on a busy two-core machine, collation's
+  tensor fills spin OpenMP threads and took ten times the CPU (64 episodes x 8 turns:
+  about 220 µs per turn in collation alone, 22 with one thread).
 * ``episode_fixed_cpu_us`` and ``turn_marginal_cpu_us``: the CPU of an episode as
   ``fixed + turns * marginal``, the line through 1-turn and 8-turn episodes
   (``TURN_SWEEP_EPISODES`` in flight). The fixed part is what every episode costs
@@ -33,6 +37,7 @@ import time
 from typing import Any
 
 import psutil
+import torch
 
 from bench.common import BenchContext, Figures, median, rounded
 from rollpipe.engines.records import SamplingParams
@@ -127,6 +132,15 @@ def _fixed_cost(ctx: BenchContext, repeats: int) -> tuple[float, float]:
 
 
 def run(ctx: BenchContext) -> Figures:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _run(ctx)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(ctx: BenchContext) -> Figures:
     turn_sweep = ctx.size(smoke=(8,), quick=(8, 32, 128), full=(8, 32, 128))
     inflight = ctx.size(smoke=(1, 4), quick=(1, 64, 1024), full=(1, 64, 1024, 4096))
     sweep_episodes = 4 if ctx.smoke else TURN_SWEEP_EPISODES
