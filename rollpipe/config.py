@@ -178,9 +178,10 @@ class PipelineConfig:
     ``max_off_policy_strategy`` (verl's name; ``"drop"``, the default, or ``"wait"``) is
     what happens to a group about to exceed that bound. ``"drop"``: batches fill with the
     first groups to finish and a finished group that is too old is dropped and replaced
-    (ROLL's behaviour). ``"wait"``: a batch first waits for every live group that would be
-    too old after the next weight update and takes the oldest groups first, so with one
-    update per batch no group is ever stale or dropped for it; grants never expire. It
+    (ROLL's behaviour). ``"wait"``: a batch takes the oldest live groups by the version
+    they started at, waiting for those still running (the first to finish among those
+    of one version), so with one update per batch no group is ever stale or dropped for
+    it; grants never expire. It
     needs an int ``async_generation_ratio`` and no ``max_traj_per_env`` (docs/off-policy.md).
 
     ``max_traj_per_env`` (ROLL's name; ``None`` or ROLL's ``-1``: just one batch) sets

@@ -154,7 +154,8 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
             ``expired_groups``), as ROLL's GroupQueue expires groups at ``advance_step``.
         current_version: when given (``max_off_policy_strategy="wait"``), each group's
             start version is recorded in ``signals`` (``note_started``), so that the
-            Batch can wait for the groups about to go stale instead of dropping them.
+            Batch can take the oldest groups first, waiting for them, instead of
+            dropping the ones that go stale.
         dataset: draw group ``g``'s row from it (see ``rollpipe.nodes.dataset``); the
             source ends after its epochs, or after ``num_groups`` if that comes first.
     """

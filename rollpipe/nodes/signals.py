@@ -6,7 +6,7 @@ while the trainer updates weights), group cancellations (redundant members no lo
 needed) and requests for more groups (the pipeline's grants, and replacements for a
 group that was filtered, stale or errored). With ``max_off_policy_strategy="wait"`` they
 also hold the ledger of live groups: the policy version each group started at, until the
-trainer consumes it or it is dropped (the Batch waits for the old ones). One
+trainer consumes it or it is dropped (the Batch takes the oldest first). One
 ``UpstreamSignals`` is shared by the stages of a pipeline; each stage that needs it
 takes it as an argument, so a stage used alone needs none. A stage that must react to a
 signal at once (the rollout's admission driver) registers a listener, called on every
