@@ -63,3 +63,48 @@ def test_scripted_cut_at_the_first_stop_token(reply, stops, max_tokens) -> None:
     cut = next((i + 1 for i, t in enumerate(ids) if t in stops), None)
     assert list(gen.token_ids) == (ids if cut is None else ids[:cut])
     assert gen.finish_reason == ("length" if cut is None else "stop")
+
+
+@given(
+    prompt=st.lists(st.integers(0, 2**40), max_size=20),
+    response=st.lists(st.integers(0, 99), max_size=5),
+)
+def test_a_turn_packed_by_the_episode_is_the_same_turn(prompt, response) -> None:
+    """The episode packs a turn's prompt ids once (bounds, then the row): the turn and
+    its packed ids are those of a turn that packs them itself."""
+    import numpy as np
+
+    from rollpipe.agent.records import Turn
+    from rollpipe.engines.inputs import CheckedIds
+
+    fields: dict[str, Any] = {
+        "prompt_ids": prompt,
+        "response_ids": response,
+        "logprobs": [0.0] * len(response),
+        "versions": [0] * len(response),
+        "reward": 1.0,
+        "finish_reason": "stop",
+        "action_valid": True,
+        "action_text": "a",
+        "observation": "o",
+    }
+    packed = np.fromiter(prompt, np.int64, len(prompt))
+    fast, plain = Turn(**fields, prompt_array=packed), Turn(**fields)
+    assert fast == plain and hash(fast) == hash(plain)
+    assert fast.token_array.tolist() == plain.token_array.tolist() == prompt + response
+    assert not fast.token_array.flags.writeable
+    ids, checked = CheckedIds([3]), CheckedIds([3])
+    ids.extend_packed(prompt, packed)
+    checked.extend_checked(prompt, trusted=True)
+    assert ids == checked and (ids.low, ids.high) == (checked.low, checked.high)
+
+
+def test_packed_ids_must_be_the_ids() -> None:
+    import numpy as np
+
+    from rollpipe.engines.inputs import CheckedIds
+
+    with pytest.raises(ValueError, match="2 packed ids for 3 ids"):
+        CheckedIds().extend_packed([1, 2, 3], np.array([1, 2]))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        CheckedIds().extend_packed([1, -2], np.array([1, -2]))

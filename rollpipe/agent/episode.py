@@ -50,6 +50,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
+import numpy as np
 
 from rollpipe._utils.checks import float_in, instance_of, int_in, one_of, optional, seconds_or_none
 from rollpipe._utils.seeding import derive_seed
@@ -340,8 +341,9 @@ async def run_episode(
                 added = dialog.first_prompt(observation)
             else:
                 added, broke = dialog.continuation(observation, turns[-1].response_ids)
-            if not windowed:  # grown in place: the tokenizer's ids are trusted ints
-                context.extend_checked(added, trusted=True)
+            packed = None if windowed else np.fromiter(added, np.int64, len(added))
+            if packed is not None:  # grown in place, bounds read from the row's own ids
+                context.extend_packed(added, packed)
             prompt: Sequence[int] = added if windowed else context.view()  # not a copy
             budget = s.max_length - len(prompt)
             if budget < 1:
@@ -360,7 +362,7 @@ async def run_episode(
             action = None if dialog is None else dialog.act(gen.token_ids, t)
             text = action.text if action is not None and structured else chat.decode(gen.token_ids)
             fields = _turn(added, gen, text, messages_text(observation))
-            fields["prefix_break"] = broke
+            fields["prefix_break"], fields["prompt_array"] = broke, packed
             if not windowed:  # past the end of the view the engine got (it may keep it)
                 context.extend_checked(gen.token_ids, trusted=True)
             if gen.finish_reason == "length" and on_length != "step":

@@ -150,6 +150,11 @@ class Turn:
     new_row: bool = attrs.field(default=False, converter=bool)
     # Packed copies for collation, made here, on the rollout loop while the engine
     # generates, so building a batch copies arrays instead of converting Python ints.
+    # ``prompt_array``: ``prompt_ids`` already packed (the episode packs them to read
+    # their bounds), so they are converted once.
+    _prompt_array: np.ndarray | None = attrs.field(
+        default=None, eq=False, repr=False, alias="prompt_array"
+    )
     token_array: np.ndarray = attrs.field(init=False, eq=False, repr=False)
     logprob_array: np.ndarray = attrs.field(init=False, eq=False, repr=False)
 
@@ -161,11 +166,14 @@ class Turn:
                     f"Turn.{name} has {len(getattr(self, name))} entries but response_ids has "
                     f"{n}; give one {name[:-1]} per generated token"
                 )
-        tokens = np.fromiter(
-            chain(self.prompt_ids, self.response_ids),
-            dtype=np.int64,
-            count=len(self.prompt_ids) + n,
-        )
+        packed = self._prompt_array
+        if packed is not None and len(packed) == len(self.prompt_ids):
+            response = np.fromiter(self.response_ids, dtype=np.int64, count=n)
+            tokens = np.concatenate((packed, response))
+        else:
+            count = len(self.prompt_ids) + n
+            tokens = np.fromiter(chain(self.prompt_ids, self.response_ids), np.int64, count)
+        object.__setattr__(self, "_prompt_array", None)  # kept once, in token_array
         logprobs = np.fromiter(self.logprobs, dtype=np.float32, count=n)
         tokens.flags.writeable = logprobs.flags.writeable = False
         object.__setattr__(self, "token_array", tokens)

@@ -82,6 +82,20 @@ class CheckedIds(list[int]):
         appends do not show in it."""
         return PromptView(self, len(self), self.low, self.high)
 
+    def extend_packed(self, part: Sequence[int], packed: npt.NDArray[np.int64]) -> None:
+        """Append ``part`` in place, its bounds read from ``packed`` (the same ids as an
+        int64 array, which the caller keeps: one conversion serves both)."""
+        if len(packed) != len(part):
+            raise ValueError(f"extend_packed: {len(packed)} packed ids for {len(part)} ids")
+        if not len(part):
+            return
+        list.extend(self, part)
+        low, high = int(packed.min()), int(packed.max())
+        if low < 0:
+            raise ValueError(f"prompt_ids holds ids outside the vocabulary: {low} < 0")
+        self.low = low if self.low is None else min(self.low, low)
+        self.high = high if self.high is None else max(self.high, high)
+
     def catch_up(self, longer: CheckedIds) -> None:
         """Append in place what ``longer`` (this list plus more: an ``extended`` copy)
         holds past this list's end, taking its bounds: nothing is checked twice."""
