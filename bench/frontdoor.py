@@ -10,6 +10,17 @@ side by side in one run:
   minus direct: what the HTTP hop, rendering and recording add per call.
 * ``agent_vs_text_trajectories_ratio``: trajectories/s of a 3-call agent episode
   (``AgentEnv``) ÷ the same three turns as a text env, through ``RolloutPipeline``.
+
+With a zero-latency ``ScriptedEngine`` (the engine costs nothing, so only the front door
+is measured; issue 28's per-request cost):
+
+* ``frontdoor_rollpipe_us_per_call_{8,128}``: rollpipe's own CPU per call (thread time)
+  of a conversation of 8 or 128 calls at its last calls: the request's JSON, its checks,
+  the prompt (render diff), recording, the answer's JSON; no HTTP, no client.
+  ``frontdoor_rollpipe_128_over_8``: their ratio (1.0: the cost does not grow).
+* ``zero_latency_{direct,frontdoor}_calls_per_s`` and ``zero_latency_calls_ratio``: calls
+  per second through the front door (HTTP, the ``openai`` client on the same loop) ÷
+  ``await engine.generate`` at ``CONCURRENCY`` callers, side by side in one run.
 """
 
 from __future__ import annotations
@@ -138,6 +149,100 @@ def _episodes(ctx: BenchContext, batches: int) -> dict[str, float]:
     return out
 
 
+def _scripted(ctx: BenchContext) -> Any:
+    from rollpipe.engines.scripted import ScriptedEngine
+
+    reply = ctx.tokenizer.encode("Sure, the answer is 5.", add_special_tokens=False)
+    eot = ctx.tokenizer.eos_token_id if ctx.tokenizer.eos_token_id is not None else 0
+    return ScriptedEngine(lambda prompt, params: [*reply, eot])
+
+
+def _rollpipe_cost(ctx: BenchContext, turns: int) -> float:
+    """rollpipe's CPU µs per call at the last 4 calls of a ``turns``-call conversation."""
+    import json
+
+    from rollpipe.agent.records import EpisodeSpec
+    from rollpipe.engines.records import Generation
+    from rollpipe.frontdoor.requests import parse_chat_request
+    from rollpipe.frontdoor.responses import completion_body
+    from rollpipe.frontdoor.session import AgentSession
+
+    chat = EpisodeSettings(system_prompt=None, max_length=1 << 20).chat_format(ctx.tokenizer)
+    ids = ctx.tokenizer.encode("Sure, the answer is 5.", add_special_tokens=False)
+    gen = Generation(ids, [-0.5] * len(ids), "length", [0] * len(ids))
+    session = AgentSession("key", EpisodeSpec(0, 0, 0, "agent"), chat)
+    messages: list[Any] = [{"role": "user", "content": QUESTION}]
+    spent: list[float] = []
+    for i in range(turns):
+        raw = json.dumps({"model": "m", "messages": messages}).encode()
+        start = time.thread_time()
+        request = parse_chat_request(json.loads(raw), session.last_request)
+        session.last_request = request
+        prompt = session.prompt_for(request)
+        action, message = session.record(request, prompt, gen)
+        body = completion_body(
+            completion_id="c",
+            model="m",
+            message=message,
+            action=action,
+            gen=gen,
+            prompt_tokens=len(prompt.ids),
+            tokenizer=ctx.tokenizer,
+            logprobs=False,
+        )
+        answer = json.dumps(body).encode()
+        spent.append(time.thread_time() - start)
+        echoed = json.loads(answer)["choices"][0]["message"]
+        messages = [*messages, echoed, {"role": "user", "content": f"Go on ({i})."}]
+    return 1e6 * statistics.mean(spent[-4:])
+
+
+def _zero_latency(ctx: BenchContext, n: int) -> dict[str, float]:
+    """Front door ÷ direct calls/s at ``CONCURRENCY`` callers on a zero-latency engine."""
+    import openai
+
+    settings = EpisodeSettings(system_prompt=None, sampling={"max_tokens": MAX_TOKENS})
+    messages = [{"role": "user", "content": QUESTION}]
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    out: dict[str, float] = {}
+    with _scripted(ctx) as engine, FrontDoor(engine, ctx.tokenizer, settings) as door:
+        prompt = door.chat.encode(door.chat.render_messages(messages, generation_prompt=True))
+        keys = [door.open_session().key for _ in range(CONCURRENCY)]
+
+        async def direct() -> None:
+            left = list(range(n))
+
+            async def worker() -> None:
+                while left:
+                    left.pop()
+                    await engine.generate(prompt, params)
+
+            await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+
+        async def front() -> None:
+            left = list(range(n))
+            http = openai.DefaultAsyncHttpxClient(verify=False)  # as AgentEnv's client
+            clients = [
+                openai.AsyncOpenAI(base_url=door.url, api_key=k, max_retries=0, http_client=http)
+                for k in keys
+            ]
+
+            async def worker(client: Any) -> None:
+                while left:
+                    left.pop()
+                    await client.chat.completions.create(model="m", messages=messages)
+
+            await asyncio.gather(*(worker(c) for c in clients))
+            await http.aclose()
+
+        for name, arm in (("direct", direct), ("frontdoor", front)):
+            engine.runtime.call(arm())  # warm
+            start = time.perf_counter()
+            engine.runtime.call(arm())
+            out[f"zero_latency_{name}_calls_per_s"] = n / (time.perf_counter() - start)
+    return out
+
+
 def run(ctx: BenchContext) -> Figures:
     n = ctx.size(smoke=8, quick=128, full=512)
     batches = ctx.size(smoke=1, quick=3, full=6)
@@ -154,6 +259,32 @@ def run(ctx: BenchContext) -> Figures:
         agent.append(episodes["bench_three_calls"] / episodes["bench_three_turns"])
         ctx.log(f"  calls ratio {ratios[-1]:.2f}, added {added[-1]:.1f} ms, agent {agent[-1]:.2f}")
         figures.update({k: rounded(v, 2) for k, v in calls.items()})
+    costs: dict[int, list[float]] = {8: [], 128: []}
+    zero: list[dict[str, float]] = []
+    long_turns = ctx.size(smoke=16, quick=128, full=128)
+    for _ in range(ctx.repeats_for(3)):
+        costs[8].append(_rollpipe_cost(ctx, 8))
+        costs[128].append(_rollpipe_cost(ctx, long_turns))
+        zero.append(_zero_latency(ctx, n))
+    for turns, values in costs.items():
+        figures[f"frontdoor_rollpipe_us_per_call_{turns}"] = rounded(median(values), 1)
+    figures["frontdoor_rollpipe_128_over_8"] = rounded(median(costs[128]) / median(costs[8]), 3)
+    for key in zero[0]:
+        figures[key] = rounded(median([z[key] for z in zero]), 1)
+    figures["zero_latency_calls_ratio"] = rounded(
+        median(
+            [
+                z["zero_latency_frontdoor_calls_per_s"] / z["zero_latency_direct_calls_per_s"]
+                for z in zero
+            ]
+        ),
+        4,
+    )
+    ctx.log(
+        f"  rollpipe {figures['frontdoor_rollpipe_us_per_call_8']} us/call at 8 calls, "
+        f"{figures['frontdoor_rollpipe_us_per_call_128']} at 128; zero-latency calls ratio "
+        f"{figures['zero_latency_calls_ratio']}"
+    )
     figures["frontdoor_calls_ratio"] = rounded(median(ratios), 3)
     figures["frontdoor_added_latency_ms"] = rounded(median(added), 2)
     figures["agent_vs_text_trajectories_ratio"] = rounded(median(agent), 3)
