@@ -83,7 +83,9 @@ class EnvCaller:
                     self.lease.call_started()
                 on_return = None if self.lease is None else self.lease.call_returned
                 result = await self.threads.call(fn, arg, timeout=self.timeout, on_return=on_return)
-            return check(await self._awaited(result) if inspect.isawaitable(result) else result)
+            if type(result) is not tuple and inspect.isawaitable(result):  # tuple: the usual
+                result = await self._awaited(result)
+            return check(result)
         except Exception as exc:  # the env's failure, whatever it is
             raise EnvFailed(exc, self.where(name, turn)) from exc
         finally:

@@ -195,7 +195,8 @@ async def generate_turn(
             await admit()
         start = time.perf_counter()
         with in_session(session):  # an engine pool keeps the episode on one rank
-            gen = await answer_within(engine, engine.generate(prompt, params), limit)
+            request = engine.generate(prompt, params)
+            gen = await (request if limit is None else answer_within(engine, request, limit))
         clock.engine += time.perf_counter() - start
         if gen.finish_reason != "abort":
             return gen

@@ -128,6 +128,9 @@ class BaseEngine(EngineStateView):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         prompt = self._check_prompt(prompt_ids, self._backend.vocab_size)
         self._state.check_open()
+        if self._runtime.in_loop():  # a Rollout's episode: no hop, no task (Scope.run's path)
+            self._scope.check_open()
+            return await self._generate(prompt, params)
         return await self._scope.run(self._generate(prompt, params))
 
     def generate_batch(

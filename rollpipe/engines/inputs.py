@@ -90,7 +90,7 @@ class CheckedIds(list[int]):
         if not len(part):
             return
         list.extend(self, part)
-        low, high = int(packed.min()), int(packed.max())
+        low, high = int(np.minimum.reduce(packed)), int(np.maximum.reduce(packed))
         if low < 0:
             raise ValueError(f"prompt_ids holds ids outside the vocabulary: {low} < 0")
         self.low = low if self.low is None else min(self.low, low)
