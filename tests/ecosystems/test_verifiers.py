@@ -1,6 +1,6 @@
 """verifiers 0.4 envs through ``VerifiersEnv`` and the front door: a real batch on vLLM for
-a single-turn, a multi-turn and a tool env, and a scripted policy that earns the rubric's
-reward. ``nox -s verifiers``.
+a single-turn, a multi-turn and a tool env, and scripted players that earn the env's own
+reward in each (the tool player's call runs the taskset's MCP tool). ``nox -s verifiers``.
 
 The test tasksets (``vf_add``, ``vf_guess``, ``vf_tools`` + ``vf_calculator``) are modules
 on the path, as verifiers loads tasksets by id; the tool server runs as ``python -m
@@ -9,8 +9,10 @@ vf_calculator``, so this folder goes on ``PYTHONPATH`` too.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +24,16 @@ from playing import first_prompts, real_batch
 
 from rollpipe.agent.episode import EpisodeSettings
 from rollpipe.engines.scripted import ScriptedEngine
+from rollpipe.engines.tiny_model import default_model_path
 from rollpipe.envs import make
 from rollpipe.envs.registry import EnvRegistryError
 from rollpipe.pipeline import PipelineConfig, RolloutPipeline
 
 VF = "rollpipe.envs.adapters.verifiers:VerifiersEnv"
 HERE = str(Path(__file__).parent)
+
+Player = Callable[[str], str]
+"""The scripted model: the decoded prompt -> the reply's text."""
 
 
 @pytest.fixture(autouse=True)
@@ -65,44 +71,111 @@ def test_tool_env_real_batch(vllm_engine, tokenizer) -> None:
     assert "env/eco/reward/exact_sum" in batch.meta_info["metrics"]
 
 
-def scripted(tokenizer: Any, answer) -> ScriptedEngine:
-    eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
+class Scripted:
+    """One ``ScriptedEngine`` for the module whose player each test sets, with the
+    tokenizer its pipeline renders with."""
 
-    def policy(prompt: list[int], params: Any) -> list[int]:
-        last = tokenizer.decode(prompt).rsplit("<|im_start|>user\n", 1)[-1]
-        return [*tokenizer.encode(answer(last), add_special_tokens=False), eot]
+    def __init__(self) -> None:
+        self.tokenizer: Any = None
+        self.player: Player = lambda prompt: ""
+        self.engine = ScriptedEngine(self.policy)
 
-    return ScriptedEngine(policy)
+    def policy(self, prompt: Sequence[int], params: Any) -> list[int]:
+        text = self.player(self.tokenizer.decode(list(prompt)))
+        eot = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        return [*self.tokenizer.encode(text, add_special_tokens=False), eot]
+
+    def batch(self, tokenizer: Any, player: Player, taskset: str, **settings: Any) -> Any:
+        """One batch of 4 rows (2 groups of 2) of ``taskset`` played by ``player``."""
+        self.tokenizer, self.player = tokenizer, player
+        config = PipelineConfig(
+            envs=[{"name": VF, "config": {"taskset": taskset}, "tag": "vf"}],
+            group_size=2,
+            batch_size=4,
+            seed=3,
+            **settings,
+        )
+        with RolloutPipeline(config, self.engine, tokenizer) as pipe:
+            batch = pipe.get_batch()
+        assert batch.meta_info["metrics"]["dropped/errored"] == 0, batch.meta_info["metrics"]
+        return batch
 
 
-def adder(user: str) -> str:
-    a, b = re.search(r"What is (\d+) \+ (\d+)\?", user).groups()  # type: ignore[union-attr]
+@pytest.fixture(scope="module")
+def scripted() -> Iterator[Scripted]:
+    s = Scripted()
+    with s.engine:
+        yield s
+
+
+def rows(batch: Any, tokenizer: Any) -> list[str]:
+    """Each row's tokens (prompt, responses, env messages), decoded."""
+    ids, mask = batch.batch["input_ids"], batch.batch["attention_mask"].bool()
+    return [str(tokenizer.decode(ids[i][mask[i]].tolist())) for i in range(len(batch))]
+
+
+def adder(prompt: str) -> str:
+    a, b = re.search(r"What is (\d+) \+ (\d+)\?", prompt).groups()  # type: ignore[union-attr]
     return f"It is {int(a) + int(b)}"
 
 
-def scripted_batch(engine: ScriptedEngine, tokenizer: Any, taskset: str) -> Any:
-    config = PipelineConfig(
-        envs=[{"name": VF, "config": {"taskset": taskset}, "tag": "vf"}],
-        group_size=2,
-        batch_size=4,
-        seed=3,
-    )
-    with engine, RolloutPipeline(config, engine, tokenizer) as pipe:
-        return pipe.get_batch()
+def test_a_right_answer_earns_the_rubric_reward(scripted, tokenizer) -> None:
+    batch = scripted.batch(tokenizer, adder, "vf_add")
+    assert batch.meta_info["metrics"]["env/vf/reward/exact_sum"] == 1.0
+    assert batch.batch["episode_scores"].tolist() == [1.0] * 4
 
 
-def test_a_right_answer_earns_the_rubric_reward(tokenizer) -> None:
-    batch = scripted_batch(scripted(tokenizer, adder), tokenizer, "vf_add")
+def test_a_wrong_answer_earns_nothing(scripted, tokenizer) -> None:
+    batch = scripted.batch(tokenizer, lambda _: "It is -1", "vf_add")
+    assert batch.meta_info["metrics"]["env/vf/reward/exact_sum"] == 0.0
+    assert batch.batch["episode_scores"].tolist() == [0.0] * 4
+
+
+def tool_user(prompt: str) -> str:
+    """Calls ``calc_add`` for the question, then answers with what the tool returned."""
+    results = re.findall(r"<tool_response>\s*(.*?)\s*</tool_response>", prompt, re.S)
+    if results:
+        return f"The answer is {results[-1]}"
+    a = int(re.search(r"what is (\d+) \+ 7\?", prompt).group(1))  # type: ignore[union-attr]
+    call = {"name": "calc_add", "arguments": {"a": a, "b": 7}}
+    return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+
+
+def test_a_tool_call_runs_the_toolsets_tool(scripted) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_path(tools=True)))
+    batch = scripted.batch(tokenizer, tool_user, "vf_tools", tool_parser="hermes")
     metrics = batch.meta_info["metrics"]
-    assert metrics["dropped/errored"] == 0
+    assert metrics["tool/calls"] == 4 and metrics["tool/malformed"] == 0
+    for row in rows(batch, tokenizer):  # the MCP tool's result, sent back as a tool message
+        a = int(re.search(r"what is (\d+) \+ 7\?", row).group(1))  # type: ignore[union-attr]
+        assert f"<tool_response>\n{a + 7}\n</tool_response>" in row
     assert metrics["env/vf/reward/exact_sum"] == 1.0
     assert batch.batch["episode_scores"].tolist() == [1.0] * 4
 
 
-def test_a_wrong_answer_earns_nothing(tokenizer) -> None:
-    batch = scripted_batch(scripted(tokenizer, lambda _: "It is -1"), tokenizer, "vf_add")
-    assert batch.meta_info["metrics"]["env/vf/reward/exact_sum"] == 0.0
-    assert batch.batch["episode_scores"].tolist() == [0.0] * 4
+def bisector(prompt: str) -> str:
+    """Guesses 1..8 by halving on the env's "higher" / "lower" hints."""
+    low, high = 1, 8
+    for guess, hint in re.findall(r"(\d+)<\|im_end\|>\n<\|im_start\|>user\n(\w+)", prompt):
+        if hint == "higher":
+            low = int(guess) + 1
+        elif hint == "lower":
+            high = int(guess) - 1
+    return str((low + high) // 2)
+
+
+def test_a_bisecting_player_wins_the_multi_turn_env(scripted, tokenizer) -> None:
+    batch = scripted.batch(tokenizer, bisector, "vf_guess")
+    metrics = batch.meta_info["metrics"]
+    assert metrics["env/vf/reward/won"] == 1.0
+    assert batch.batch["episode_scores"].tolist() == [1.0] * 4
+    assert metrics["env/vf/turns/max"] >= 2  # a hint was needed at least once
+    hints = re.findall(
+        r"<\|im_start\|>user\n(higher|lower)<\|im_end\|>", "".join(rows(batch, tokenizer))
+    )
+    assert hints  # the env's replies reached the rows as user messages
 
 
 def test_a_bad_taskset_fails_when_built() -> None:
