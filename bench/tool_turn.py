@@ -18,6 +18,10 @@ Figures: ``tool_turn_cpu_us_{T}turns`` and ``text_turn_cpu_us_{T}turns`` (µs pe
 ``T`` = 8, 32 and 128 turns), ``tool_turn_overhead_us_{T}turns`` (their difference) and
 ``tool_turn_cpu_128_over_32`` (the tool turn's cost per turn at 128 turns ÷ at 32: issue
 28's target is ≤ 1.2, a cost that does not grow with the history).
+
+The run holds torch to one intra-op thread (restored after), as ``turn_cost.py`` does:
+the figures are what one core does (collation's tensor fills otherwise spin OpenMP
+threads on a busy machine).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from __future__ import annotations
 import json
 import time
 from typing import Any
+
+import torch
 
 from bench.common import BenchContext, Figures, median, rounded
 from rollpipe.engines.records import SamplingParams
@@ -101,6 +107,15 @@ def _one_run(tokenizer: Any, tools: bool, turns: int) -> float:
 
 
 def run(ctx: BenchContext) -> Figures:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _run(ctx)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(ctx: BenchContext) -> Figures:
     from transformers import AutoTokenizer
 
     from rollpipe.engines.tiny_model import default_model_path
