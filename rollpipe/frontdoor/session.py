@@ -143,6 +143,8 @@ class AgentSession:
             self.rows.append([])
             self.prefix_breaks += prompt.new_row
         self._dialog = dialog = prompt.dialog  # the conversation up to this call's prompt
+        dialog.messages[: len(request.messages)] = request.messages  # equal dicts; the
+        # same objects let the next call's prefix check compare them by identity
         if text is None:
             text = self.chat.decode_for_parsing(gen.token_ids)
         if request.tool_choice == "none" or dialog.parser is None:
