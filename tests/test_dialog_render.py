@@ -49,6 +49,16 @@ NUMBERED_TEMPLATE = (
     "{{- '<|im_start|>assistant ' + (messages|length + 1)|string + '\\n' }}{%- endif %}"
 )
 
+# The tools template, with a mark on the conversation's first tool result only (as
+# DeepSeek-V3's template opens its tool-outputs block once): a window without the
+# first tool result would mark the new one.
+_RESULT = "{{- '\\n<tool_response>\\n' + message['content']"
+assert _RESULT in TOOLS_CHAT_TEMPLATE
+FIRST_RESULT_TEMPLATE = "{%- set ns = namespace(seen=false) %}" + TOOLS_CHAT_TEMPLATE.replace(
+    _RESULT,
+    "{%- if not ns.seen %}{{- '<first>' }}{%- set ns.seen = true %}{%- endif %}" + _RESULT,
+)
+
 
 @pytest.fixture(scope="module")
 def formats(tokenizer: Any) -> dict[str, ChatFormat]:
@@ -66,6 +76,9 @@ def formats(tokenizer: Any) -> dict[str, ChatFormat]:
         out[f"tiny/{system}"] = ChatFormat(tokenizer, **prompt)
         out[f"tools/{system}"] = ChatFormat(tools_tokenizer, tool_parser="hermes", **prompt)
     out["numbered"] = ChatFormat(numbered)
+    first_result = copy.deepcopy(tools_tokenizer)
+    first_result.chat_template = FIRST_RESULT_TEMPLATE
+    out["first result"] = ChatFormat(first_result, tool_parser="hermes")
     return out
 
 
@@ -209,3 +222,19 @@ def test_a_template_that_renders_the_window_otherwise_falls_back_to_whole_render
     assert dialog.full_render and not any(breaks)
     assert ids == chat.encode(chat.render_messages(dialog.messages, generation_prompt=True))
     assert max(dialog.sizes[-2:]) == len(dialog.messages)  # the last turn rendered the whole
+
+
+def test_the_head_holds_the_first_tool_result(formats: dict[str, ChatFormat]) -> None:
+    """A template that marks the first tool result of the conversation: the window holds
+    that result in its head, so window turns render as whole ones (no fallback), also
+    where the last exchange before a call holds no tool result."""
+    chat = formats["first result"]
+    calls = [[("add", {"a": t, "b": 1})] if t % 2 == 0 else [] for t in range(12)]
+    turns = [("", calls[t], False, ["A1", "A2", "A3"], []) for t in range(12)]
+    dialog, ids, _, breaks = play(chat, ToolSet([add]), "Add.", turns)
+    rendered = chat.render_messages(
+        dialog.messages, generation_prompt=True, tools=dialog.tools.schemas
+    )
+    assert rendered.count("<first>") == 1 and ids == chat.encode(rendered)
+    assert not any(breaks) and not dialog.full_render
+    assert max(w for w, _ in dialog.widest[3 + CHECKED_TURNS :]) == 8
