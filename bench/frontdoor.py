@@ -282,8 +282,10 @@ def run(ctx: BenchContext) -> Figures:
     )
     ctx.log(
         f"  rollpipe {figures['frontdoor_rollpipe_us_per_call_8']} us/call at 8 calls, "
-        f"{figures['frontdoor_rollpipe_us_per_call_128']} at 128; zero-latency calls ratio "
-        f"{figures['zero_latency_calls_ratio']}"
+        f"{figures['frontdoor_rollpipe_us_per_call_128']} at 128; zero-latency calls/s "
+        f"{figures['zero_latency_frontdoor_calls_per_s']} front door vs "
+        f"{figures['zero_latency_direct_calls_per_s']} direct "
+        f"({figures['zero_latency_calls_ratio']}x)"
     )
     figures["frontdoor_calls_ratio"] = rounded(median(ratios), 3)
     figures["frontdoor_added_latency_ms"] = rounded(median(added), 2)
