@@ -149,6 +149,16 @@ SUMMARY = (
     ("11", "CPU per turn, 8 turns/episode", "turn_cpu_us_8turns", "—", "{:.0f} µs"),
     ("11", "CPU per turn, 128 turns/episode", "turn_cpu_us_128turns", "—", "{:.0f} µs"),
     ("11", "CPU per turn, 1024 episodes in flight", "turn_cpu_us_1024inflight", "—", "{:.0f} µs"),
+    ("11", "CPU per turn, 128 ÷ 32 turns/episode", "turn_cpu_ratio_128_32", "≤ 1.2", "{:.2f}×"),
+    ("11", "Wall turns/s, 128 ÷ 32 turns/episode", "turns_per_s_ratio_128_32", "≥ 0.8", "{:.2f}×"),
+    (
+        "11",
+        "Turns per CPU second, 1024 in flight",
+        "turns_per_cpu_s_1024inflight",
+        "≥ 10000",
+        "{:.0f}",
+    ),
+    ("11", "Fixed CPU per episode", "episode_fixed_cpu_us", "—", "{:.0f} µs"),
     ("12", "Front door ÷ in-process calls/s, 32 callers", "frontdoor_calls_ratio", "—", "{:.2f}×"),
     ("12", "Front door added latency per call", "frontdoor_added_latency_ms", "—", "{:.1f} ms"),
     (
