@@ -141,11 +141,14 @@ def tool_user(prompt: str) -> str:
     return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
 
 
-def test_a_tool_call_runs_the_toolsets_tool(scripted) -> None:
+def test_a_tool_call_runs_the_toolsets_tool(scripted, monkeypatch, tmp_path) -> None:
     from transformers import AutoTokenizer
 
+    monkeypatch.setenv("VF_CALCULATOR_STARTS", str(starts := tmp_path / "starts"))
     tokenizer = AutoTokenizer.from_pretrained(str(default_model_path(tools=True)))
-    batch = scripted.batch(tokenizer, tool_user, "vf_tools", tool_parser="hermes")
+    batch = scripted.batch(tokenizer, tool_user, "vf_tools", tool_parser="hermes", concurrency=2)
+    # one tool server an env instance (2 at a time), kept across its episodes
+    assert 1 <= len(starts.read_text().split()) <= 2
     metrics = batch.meta_info["metrics"]
     assert metrics["tool/calls"] == 4 and metrics["tool/malformed"] == 0
     for row in rows(batch, tokenizer):  # the MCP tool's result, sent back as a tool message

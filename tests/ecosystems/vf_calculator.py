@@ -1,5 +1,9 @@
 """The ``add`` tool server of ``vf_tools``: verifiers starts it as ``python -m
-vf_calculator`` (an MCP server), so it lives in its own module with a main guard."""
+vf_calculator`` (an MCP server), so it lives in its own module with a main guard. Each
+start appends a line to the file ``$VF_CALCULATOR_STARTS`` names, if set, so a test can
+count how often the server was started."""
+
+import os
 
 import verifiers.v1 as vf
 
@@ -16,4 +20,7 @@ class Calculator(vf.Toolset[vf.SharedToolsetConfig]):
 
 
 if __name__ == "__main__":
+    if starts := os.environ.get("VF_CALCULATOR_STARTS"):
+        with open(starts, "a") as log:
+            log.write(f"{os.getpid()}\n")
     Calculator.run()

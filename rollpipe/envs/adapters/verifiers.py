@@ -37,6 +37,8 @@ Example (``taskset`` is a verifiers taskset id: an installed module exporting a
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import os
 import uuid
@@ -45,11 +47,15 @@ from typing import Any
 
 from rollpipe.agent.records import EpisodeSpec
 from rollpipe.frontdoor.agent import DEFAULT_AGENT_TIMEOUT_S, AgentEnv, AgentResult
+from rollpipe.runtime import Runtime
 
 __all__ = ["VerifiersEnv", "VerifiersEpisodeError"]
 
 DEFAULT_NUM_TASKS = 1000
 """How many tasks of an infinite taskset the seed picks from."""
+
+SERVING_STOP_S = 10.0
+"""How long ``close`` waits for verifiers' servers (interception, tools) to stop."""
 
 
 class VerifiersEpisodeError(RuntimeError):
@@ -130,6 +136,7 @@ class VerifiersEnv(AgentEnv):
                 }
             )
         self.vf_env = vf.environment_class(taskset, env)(config)
+        self._serving = _Serving(self.vf_env)
         self.model = model
         source = self.vf_env.taskset
         self.tasks = list(source if source.bounded else source.take(num_tasks))
@@ -161,8 +168,9 @@ class VerifiersEnv(AgentEnv):
         try:
             endpoint = EvalClientConfig(base_url=str(client.base_url), api_key_var=key_var)
             ctx = ModelContext(model=self.model, client=endpoint)
-            async with self.vf_env.serving():
-                episode = await self.vf_env.run_episode(task, ctx)
+            assert self.door is not None  # AgentEnv.run_episode opened it
+            await self._serving.enter(self.door.engine.runtime)
+            episode = await self.vf_env.run_episode(task, ctx)
         finally:
             os.environ.pop(key_var, None)
         if not episode.ok:
@@ -170,6 +178,50 @@ class VerifiersEnv(AgentEnv):
             detail = "; ".join(f"{e.type}: {e.message}" for e in errors) or "no error recorded"
             raise VerifiersEpisodeError(f"verifiers episode failed: {detail}")
         return _result(episode.traces)
+
+    def close(self) -> None:
+        """Stop verifiers' serving (interception and tool servers) and the front door."""
+        self._serving.close()
+        super().close()
+
+
+class _Serving:
+    """verifiers' env-level serving (``vf.Env.serving()``: its interception server and
+    the taskset's shared tool servers), entered on the runtime's loop by the first
+    episode and held until :meth:`close`, as ``vf-eval`` holds it for a whole run.
+    Episodes share only these servers: each ``run_episode`` has its own agents, trace,
+    tool sessions and endpoint key."""
+
+    def __init__(self, vf_env: Any) -> None:
+        self.vf_env = vf_env
+        self.stack: contextlib.AsyncExitStack | None = None
+        self.runtime: Runtime | None = None
+        self.lock: asyncio.Lock | None = None
+
+    async def enter(self, runtime: Runtime) -> None:
+        """Serving on ``runtime``'s loop (the running one), started once."""
+        if self.stack is not None and self.runtime is runtime:
+            return
+        if self.runtime is not runtime:  # the first episode, or a pipeline on a new engine
+            self.close()
+            self.runtime, self.lock = runtime, asyncio.Lock()
+        assert self.lock is not None
+        async with self.lock:
+            if self.stack is None:
+                stack = contextlib.AsyncExitStack()
+                await stack.enter_async_context(self.vf_env.serving())
+                self.stack = stack
+
+    def close(self) -> None:
+        """Leave serving on its loop (from any thread; waits at most ``SERVING_STOP_S``)."""
+        stack, runtime, self.stack, self.runtime = self.stack, self.runtime, None, None
+        if stack is None or runtime is None or not runtime.alive:
+            return
+        if runtime.in_loop():
+            runtime.loop.create_task(stack.aclose())
+        else:
+            with contextlib.suppress(Exception):  # a loop that is busy or closing
+                runtime.call(stack.aclose(), SERVING_STOP_S)
 
 
 def _seats(config: Any) -> list[str]:
