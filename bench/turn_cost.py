@@ -19,7 +19,9 @@ of every episode, divided by the turns taken; the engine's share is in that CPU 
   4096; 8 turns each); ``turns_per_cpu_s_{N}inflight`` the turns one core sustains
   (1e6 / that; target ≥ 10,000 at 1024) and ``turns_per_s_{N}inflight`` the wall rate.
 * ``rss_kb_per_episode_{N}inflight``: the resident memory the run grew by at its peak
-  (sampled by the engine every 64 requests), per episode in flight.
+  (sampled by the engine every 64 requests and once more with the batch built, its rows
+  included), per episode in flight; freed heap is handed back to the OS before each
+  run (else a run reuses what earlier runs freed and seems to grow by nothing).
 * The run holds torch to one intra-op thread (restored after): the figures are what one
   core does. With torch's default threads on a busy two-core machine, collation's
   tensor fills spin OpenMP threads and took ten times the CPU (64 episodes x 8 turns:
@@ -33,6 +35,9 @@ of every episode, divided by the turns taken; the engine's share is in that CPU 
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import time
 from typing import Any
 
@@ -89,6 +94,14 @@ def _response(tokenizer: Any) -> list[int]:
     return [*ids[: RESPONSE_TOKENS - 1], tokenizer.convert_tokens_to_ids("<|im_end|>")]
 
 
+def _release_freed_memory() -> None:
+    """Collect garbage and hand freed heap back to the OS (glibc's ``malloc_trim``), so
+    the resident memory a run grows by is its own."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def _one_run(ctx: BenchContext, episodes: int, turns: int) -> dict[str, float]:
     policy = _Peak(_response(ctx.tokenizer))
     config = PipelineConfig(
@@ -105,10 +118,12 @@ def _one_run(ctx: BenchContext, episodes: int, turns: int) -> dict[str, float]:
         ScriptedEngine(policy) as engine,
         RolloutPipeline(config, engine, ctx.tokenizer) as pipe,
     ):
+        _release_freed_memory()  # else this run reuses the heap earlier runs freed
         base = psutil.Process().memory_info().rss
         cpu, wall = time.process_time(), time.perf_counter()
         batch = pipe.get_batch()
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        policy.peak = max(policy.peak, psutil.Process().memory_info().rss)  # batch held
     assert batch is not None and len(batch) == episodes
     taken = int(batch.batch["response_mask"].sum()) // RESPONSE_TOKENS
     context = int(batch.batch["attention_mask"][0].sum())
