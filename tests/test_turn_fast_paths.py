@@ -49,6 +49,55 @@ def test_decode_takes_the_short_path_only_where_it_is_the_same(tokenizer) -> Non
         tokenizer.clean_up_tokenization_spaces = False
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    text=st.lists(
+        st.sampled_from(["<|im_start|>", "<|im_end|>", "user", "\n", " ", "é", "12", "ab"])
+        | st.text(max_size=8),
+        max_size=12,
+    ).map("".join)
+)
+def test_encode_is_the_tokenizers_call(tokenizer, text) -> None:
+    chat = ChatFormat(tokenizer)
+    assert chat._fast_encode is not None  # the tiny model's tokenizer takes the short path
+    assert chat.encode(text) == tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_encode_takes_the_short_path_only_where_it_is_the_same(tokenizer) -> None:
+    tokenizer.split_special_tokens = True
+    try:
+        chat = ChatFormat(tokenizer)
+        assert chat._fast_encode is None  # transformers' __call__ then
+        assert (
+            chat.encode("<|im_end|>")
+            == tokenizer("<|im_end|>", add_special_tokens=False)["input_ids"]
+        )
+    finally:
+        tokenizer.split_special_tokens = False
+
+
+def test_tool_call_arguments_reach_the_template_as_a_dict(tokenizer) -> None:
+    """OpenAI messages carry arguments as JSON text; templates get a dict (as vLLM passes
+    them), so `| tojson` renders them once, not double-encoded."""
+    tokenizer_template = tokenizer.chat_template
+    tokenizer.chat_template = (
+        "{%- for m in messages %}{{- m['content'] }}{%- for c in m.get('tool_calls') or [] %}"
+        "{{- c['function']['arguments'] | tojson }}|{%- endfor %}{%- endfor %}"
+    )
+    try:
+        chat = ChatFormat(tokenizer)
+        call = {"type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+        bad = {"type": "function", "function": {"name": "add", "arguments": "not json"}}
+        text = chat.render_messages(
+            [{"role": "assistant", "content": "", "tool_calls": [call, bad]}],
+            generation_prompt=False,
+        )
+        assert text == '{"a": 1}|"not json"|'  # text that is no JSON object stays text
+        assert call["function"]["arguments"] == '{"a": 1}'  # the caller's message untouched
+    finally:
+        tokenizer.chat_template = tokenizer_template
+
+
 @given(
     reply=st.lists(st.integers(0, 9), max_size=12),
     stops=st.lists(st.integers(0, 9), max_size=3),
