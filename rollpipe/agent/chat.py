@@ -373,7 +373,7 @@ def _template_message(message: Mapping[str, Any]) -> Mapping[str, Any]:
     for call in calls:
         function = call.get("function") if isinstance(call, Mapping) else None
         arguments = function.get("arguments") if isinstance(function, Mapping) else None
-        if isinstance(arguments, str):
+        if isinstance(function, Mapping) and isinstance(arguments, str):
             try:
                 parsed = json.loads(arguments)
             except ValueError:
