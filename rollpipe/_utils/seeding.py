@@ -22,6 +22,8 @@ def derive_seed(*parts: int) -> int:
     if not parts:
         raise ValueError("derive_seed needs at least one integer part, got none")
     for i, p in enumerate(parts):
+        if type(p) is int and p >= 0:  # the common case, without the ABC checks below
+            continue
         if not isinstance(p, (int, np.integer)) or isinstance(p, bool) or p < 0:
             raise ValueError(
                 f"derive_seed part {i} must be a non-negative int, got {p!r}; "

@@ -8,6 +8,7 @@ which tells downstream stages which groups are settled (``UpstreamSignals.settle
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 
 from rollpipe.agent.records import EpisodeSpec, Trajectory
@@ -21,6 +22,8 @@ class Admitted:
         self.pending: dict[int, EpisodeSpec] = {}  # admitted, not yet yielded
         self.results: dict[int, Trajectory | None] = {}  # finished, not yet yielded
         self._finish_order: deque[int] = deque()
+        self._group_members: dict[int, int] = {}  # group id -> its specs in pending
+        self._group_heap: list[int] = []  # those group ids (and some gone: skipped lazily)
         self._next_index = 0
         self._emit_index = 0
 
@@ -28,6 +31,11 @@ class Admitted:
         index = self._next_index
         self._next_index += 1
         self.pending[index] = spec
+        group = spec.group_id
+        members = self._group_members.get(group, 0)
+        if members == 0:
+            heapq.heappush(self._group_heap, group)
+        self._group_members[group] = members + 1
         return index
 
     def finish(self, index: int, result: Trajectory | None) -> None:
@@ -45,12 +53,24 @@ class Admitted:
             if not self._finish_order:
                 return None
             index = self._finish_order.popleft()
-        return self.pending.pop(index), self.results.pop(index)
+        spec = self.pending.pop(index)
+        members = self._group_members[spec.group_id] - 1
+        if members:
+            self._group_members[spec.group_id] = members
+        else:
+            del self._group_members[spec.group_id]
+        return spec, self.results.pop(index)
 
     def lowest_group(self, also: list[EpisodeSpec], pulled: int | None) -> int | None:
         """The lowest group id that may still yield: of the specs held here, in ``also``
-        (queued) and ``pulled`` (the last id pulled: later pulls are never lower)."""
-        ids = [s.group_id for s in self.pending.values()] + [s.group_id for s in also]
+        (queued) and ``pulled`` (the last id pulled: later pulls are never lower).
+        O(log n) amortized over the book's groups (a heap of their ids)."""
+        heap = self._group_heap
+        while heap and heap[0] not in self._group_members:  # its last member left
+            heapq.heappop(heap)
+        ids = [s.group_id for s in also]
+        if heap:
+            ids.append(heap[0])
         if pulled is not None:
             ids.append(pulled)
         return min(ids) if ids else None
