@@ -170,6 +170,8 @@ SUMMARY = (
     ),
     ("11", "CPU per tool turn, 8 turns/episode", "tool_turn_cpu_us_8turns", "—", "{:.0f} µs"),
     ("11", "CPU per tool turn, 32 turns/episode", "tool_turn_cpu_us_32turns", "—", "{:.0f} µs"),
+    ("11", "CPU per tool turn, 128 turns/episode", "tool_turn_cpu_us_128turns", "—", "{:.0f} µs"),
+    ("11", "Tool turn CPU: 128 ÷ 32 turns", "tool_turn_cpu_128_over_32", "≤ 1.2", "{:.2f}×"),
 )
 
 
