@@ -15,6 +15,7 @@ groups and the batch included). Times include each side's start-up.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import os
 import re
@@ -29,7 +30,8 @@ from rollpipe.frontdoor import FrontDoor
 from rollpipe.pipeline import PipelineConfig, RolloutPipeline
 
 CONCURRENCY = 4
-VF = "rollpipe.envs.adapters.verifiers:VerifiersEnv"
+VF = os.environ.get("VF_ADAPTER", "rollpipe.envs.adapters.verifiers:VerifiersEnv")
+"""The adapter measured (``$VF_ADAPTER``: another version of it, to compare)."""
 
 
 def player(prompt: str) -> str:
@@ -111,7 +113,7 @@ def main() -> None:
     taskset = sys.argv[1] if len(sys.argv) > 1 else "vf_add"
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 16
     tokenizer = AutoTokenizer.from_pretrained(str(default_model_path(tools=True)))
-    import rollpipe.envs.adapters.verifiers  # imports verifiers: paid before either side
+    importlib.import_module("verifiers.v1")  # paid before either side is timed
     with scripted_engine(tokenizer) as engine:
         adapter = through_adapter(engine, tokenizer, taskset, n)
         print(f"through the adapter: {adapter:.2f} episodes/s", flush=True)

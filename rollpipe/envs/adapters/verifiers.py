@@ -26,7 +26,9 @@ of the task's data fields, or a ``vf.Task``) is the task.
 The harness is verifiers' own chat loop, run with this Python
 (:mod:`~rollpipe.envs.adapters._verifiers_chat`) in verifiers' ``subprocess`` runtime:
 no download, no container. Each episode starts one Python process for it (verifiers' own
-runs do the same), which is most of an episode's cost on the tiny model.
+runs do the same), which is most of an episode's cost on the tiny model. verifiers'
+serving (its interception server, the taskset's shared tool servers) starts with an env
+instance's first episode and stays up until the env is closed, as in ``vf-eval``.
 
 Example (``taskset`` is a verifiers taskset id: an installed module exporting a
 ``vf.Taskset``, as ``vf-eval`` takes it)::
