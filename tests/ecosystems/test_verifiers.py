@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 pytest.importorskip("verifiers.v1", reason="verifiers is not installed: nox -s verifiers")
@@ -147,8 +148,11 @@ def test_a_tool_call_runs_the_toolsets_tool(scripted, monkeypatch, tmp_path) -> 
     monkeypatch.setenv("VF_CALCULATOR_STARTS", str(starts := tmp_path / "starts"))
     tokenizer = AutoTokenizer.from_pretrained(str(default_model_path(tools=True)))
     batch = scripted.batch(tokenizer, tool_user, "vf_tools", tool_parser="hermes", concurrency=2)
-    # one tool server an env instance (2 at a time), kept across its episodes
-    assert 1 <= len(starts.read_text().split()) <= 2
+    # one tool server an env instance (2 at a time), kept across its episodes, stopped
+    # when the pipeline closed its envs
+    servers = [int(pid) for pid in starts.read_text().split()]
+    assert 1 <= len(servers) <= 2
+    assert not any(psutil.pid_exists(pid) for pid in servers)
     metrics = batch.meta_info["metrics"]
     assert metrics["tool/calls"] == 4 and metrics["tool/malformed"] == 0
     for row in rows(batch, tokenizer):  # the MCP tool's result, sent back as a tool message
