@@ -32,6 +32,8 @@ def step_metrics(info: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, s
     """
     raw = info.get("metrics")
     modes = info.get("metrics_agg_mode")
+    if raw is None and modes is None:  # most steps: nothing to check
+        return {}, {}
     if raw is None:
         raw = {}
     if modes is None:
