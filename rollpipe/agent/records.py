@@ -160,16 +160,16 @@ class Turn:
 
     def __attrs_post_init__(self) -> None:
         n = len(self.response_ids)
-        for name in ("logprobs", "versions"):
-            if len(getattr(self, name)) != n:
-                raise ValueError(
-                    f"Turn.{name} has {len(getattr(self, name))} entries but response_ids has "
-                    f"{n}; give one {name[:-1]} per generated token"
-                )
-        packed = self._prompt_array
-        if packed is not None and len(packed) == len(self.prompt_ids):
-            response = np.fromiter(self.response_ids, dtype=np.int64, count=n)
-            tokens = np.concatenate((packed, response))
+        if len(self.logprobs) != n or len(self.versions) != n:
+            name = "logprobs" if len(self.logprobs) != n else "versions"
+            raise ValueError(
+                f"Turn.{name} has {len(getattr(self, name))} entries but response_ids has "
+                f"{n}; give one {name[:-1]} per generated token"
+            )
+        packed, p = self._prompt_array, len(self.prompt_ids)
+        if packed is not None and len(packed) == p:  # one buffer, no concatenation
+            tokens = np.empty(p + n, dtype=np.int64)
+            tokens[:p], tokens[p:] = packed, self.response_ids
         else:
             count = len(self.prompt_ids) + n
             tokens = np.fromiter(chain(self.prompt_ids, self.response_ids), np.int64, count)
