@@ -108,8 +108,9 @@ class _Rows:
         self.prompt_lengths: list[int] = []  # tokens before the first response token
         self.scores: list[float] = []
 
-    def add_row(self, start: int, runs: Iterable[tuple[int, bool]], score: float) -> None:
-        """Add the row of ``runs`` (length, is response) starting at ``start`` in the stream."""
+    def add_row(self, start: int, runs: Iterable[tuple[int, bool]], score: float) -> int:
+        """Add the row of ``runs`` (length, is response) starting at ``start`` in the
+        stream; returns its length."""
         length, prompt = 0, None
         for n, is_resp in runs:
             if is_resp and n > 0 and prompt is None:
@@ -120,6 +121,7 @@ class _Rows:
         self.slices.append((start, length))
         self.prompt_lengths.append(length if prompt is None else prompt)
         self.scores.append(score)
+        return length
 
     def tensors(
         self,
@@ -254,15 +256,15 @@ def trajectory_rows(
     counts: list[int] = []
     for t, start in zip(trajs, stream.starts, strict=True):
         offset = 0
-        for segment in _segments(t.turns):
+        segments = _segments(t.turns)
+        for segment in segments:
             runs = [
                 run
                 for u in segment
                 for run in ((len(u.prompt_ids), False), (len(u.response_ids), True))
             ]
-            rows.add_row(start + offset, runs, t.score)
-            offset += sum(n for n, _ in runs)
-        counts.append(len(_segments(t.turns)))
+            offset += rows.add_row(start + offset, runs, t.score)
+        counts.append(len(segments))
     tensors = rows.tensors(stream, pad_token_id, padding_side, pad_to_multiple_of)
     tensors.update(_ids_fields(trajs, counts))
     step_scores = _repeat([t.step_scores for t in trajs], counts)
