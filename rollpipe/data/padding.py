@@ -76,7 +76,7 @@ class FlatLayout:
     batch.
 
     Built once per batch (see ``flat_layout``) and shared by every field of it, so a field
-    costs one fill and one ``masked_scatter_`` of its flat tensor: no split into rows, no
+    costs one fill and one masked write of its flat tensor: no split into rows, no
     per-row checks, no re-concatenation. ``mask`` is the bool mask of valid positions; its
     row-major order matches the flat order for either padding side.
     """
