@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollpipe.agent.chat import ChatFormat
+from rollpipe.agent.records import Turn
 from rollpipe.engines import SamplingParams, ScriptedEngine
 
 
@@ -157,3 +159,41 @@ def test_packed_ids_must_be_the_ids() -> None:
         CheckedIds().extend_packed([1, 2, 3], np.array([1, 2]))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         CheckedIds().extend_packed([1, -2], np.array([1, -2]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    observation=st.text(max_size=30),
+    cut=st.booleans(),  # the last response lacks the end-of-turn token (cut at max_tokens)
+    first=st.booleans(),
+)
+def test_packed_turn_prompt_is_the_turn_prompt(tokenizer, observation, cut, first) -> None:
+    chat = ChatFormat(tokenizer)
+    response = [*tokenizer.encode("ok"), *([] if cut else [chat.eot_id])]
+    history = [] if first else [_turn(response)]
+    ids, packed = chat.packed_turn_prompt(observation, history)
+    assert ids == chat.turn_prompt(observation, history)
+    assert packed.dtype == np.int64 and packed.tolist() == ids
+    assert not packed.flags.writeable  # shared by every turn that repeats the observation
+    again, _ = chat.packed_turn_prompt(observation, history)
+    assert again == ids and again is not ids  # a fresh list each call: callers may extend it
+
+
+def test_packed_turn_prompt_refuses_window_mode(tokenizer) -> None:
+    with pytest.raises(ValueError, match="conversation mode"):
+        ChatFormat(tokenizer, history_window=2).packed_turn_prompt("x", [])
+
+
+def _turn(response: list[int]) -> Turn:
+    n = len(response)
+    return Turn(
+        prompt_ids=[1],
+        response_ids=response,
+        logprobs=[0.0] * n,
+        versions=[0] * n,
+        reward=0.0,
+        finish_reason="stop",
+        action_valid=True,
+        action_text="ok",
+        observation="o",
+    )

@@ -28,6 +28,8 @@ from functools import lru_cache
 from typing import Any
 
 import attrs
+import numpy as np
+import numpy.typing as npt
 
 from rollpipe.agent.parsers import ResponseParser
 from rollpipe.agent.records import Turn
@@ -93,10 +95,12 @@ class ChatFormat:
     # Per-observation caches of the rendered and tokenized pieces (conversation mode and
     # every turn 0): envs repeat observations (a group shares its first one, FrozenLake
     # revisits cells), and rendering plus tokenizing is most of rollpipe's CPU per turn.
-    _first_cached: Callable[[str], tuple[int, ...]] = attrs.field(
+    # Each holds the ids and the same ids packed (a read-only int64 array, as rows take
+    # them), so a repeated observation is neither rendered, tokenized nor packed again.
+    _first_cached: Callable[[str], Packed] = attrs.field(
         init=False, eq=False, repr=False, default=None
     )
-    _suffix_cached: Callable[[str], tuple[int, ...]] = attrs.field(
+    _suffix_cached: Callable[[str], Packed] = attrs.field(
         init=False, eq=False, repr=False, default=None
     )
     _fast_decode: Callable[..., str] | None = attrs.field(
@@ -120,8 +124,10 @@ class ChatFormat:
             )
         object.__setattr__(self, "_fast_encode", _fast_encoder(self.tokenizer))
         cache = lru_cache(maxsize=PROMPT_CACHE_SIZE)
-        object.__setattr__(self, "_first_cached", cache(self._first_prompt_ids))
-        object.__setattr__(self, "_suffix_cached", cache(self._suffix_ids))
+        first_cached = cache(lambda obs: _packed(self._first_prompt_ids(obs)))
+        suffix_cached = cache(lambda obs: _packed(self._suffix_ids(obs)))
+        object.__setattr__(self, "_first_cached", first_cached)
+        object.__setattr__(self, "_suffix_cached", suffix_cached)
         first = self._suffix_ids("x")[0]
         special = set(self.tokenizer.all_special_ids)
         object.__setattr__(self, "_eot_id", first if first in special else None)
@@ -186,16 +192,33 @@ class ChatFormat:
 
     def first_prompt(self, observation: str) -> list[int]:
         """Turn 0's prompt ids: system, user (instruction + observation), generation prompt."""
-        return list(self._first_cached(observation))
+        return list(self._first_cached(observation)[0])
 
     def continuation(self, observation: str, response_ids: Sequence[int]) -> list[int]:
         """Ids appended after ``response_ids`` so the conversation goes on with
         ``observation``: end of turn (added when the response lacks it, e.g. cut at
         ``max_tokens``), the user turn, the generation prompt."""
-        ids = self._suffix_cached(observation)
+        return self._continuation(observation, response_ids)[0]
+
+    def _continuation(
+        self, observation: str, response_ids: Sequence[int]
+    ) -> tuple[list[int], npt.NDArray[np.int64]]:
+        ids, packed = self._suffix_cached(observation)
         if self._eot_id is not None and len(response_ids) > 0 and response_ids[-1] == self._eot_id:
-            return list(ids[1:])
-        return list(ids)
+            return list(ids[1:]), packed[1:]
+        return list(ids), packed
+
+    def packed_turn_prompt(
+        self, observation: str, history: Sequence[Turn]
+    ) -> tuple[list[int], npt.NDArray[np.int64]]:
+        """Conversation mode's ``turn_prompt`` and the same ids as a read-only int64
+        array (kept with the cached pieces: a repeated observation is not packed again)."""
+        if self.history_window is not None:
+            raise ValueError("packed_turn_prompt is for conversation mode (history_window=None)")
+        if not history:
+            ids, packed = self._first_cached(observation)
+            return list(ids), packed
+        return self._continuation(observation, history[-1].response_ids)
 
     def window_prompt(self, observation: str, history: Sequence[Turn]) -> list[int]:
         """A step prompt: the task (first observation), the last ``history_window`` turns
@@ -329,6 +352,16 @@ def _fast_decoder(tokenizer: Any) -> Callable[..., str] | None:
     )
     backend = getattr(tokenizer, "_tokenizer", None)
     return backend.decode if same and backend is not None else None
+
+
+Packed = tuple[tuple[int, ...], "npt.NDArray[np.int64]"]
+
+
+def _packed(ids: tuple[int, ...]) -> Packed:
+    """``ids`` with the same ids as a read-only int64 array."""
+    array = np.fromiter(ids, np.int64, len(ids))
+    array.flags.writeable = False
+    return ids, array
 
 
 def _fast_encoder(tokenizer: Any) -> Callable[[str], list[int]] | None:

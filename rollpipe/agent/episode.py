@@ -335,14 +335,17 @@ async def run_episode(
             raise EnvFailed(exc, f"{type(env).__name__}.tools: {call_env.episode(0)}") from exc
         structured = dialog is not None and takes_action(env)
         for t in range(s.max_turns):
-            broke = False
-            if dialog is None:
+            broke, packed = False, None
+            if dialog is None and windowed:
                 added = chat.turn_prompt(observation, turns)
+            elif dialog is None:  # the cached pieces come packed
+                added, packed = chat.packed_turn_prompt(observation, turns)
             elif not turns:
                 added = dialog.first_prompt(observation)
             else:
                 added, broke = dialog.continuation(observation, turns[-1].response_ids)
-            packed = None if windowed else np.fromiter(added, np.int64, len(added))
+            if packed is None and not windowed:
+                packed = np.fromiter(added, np.int64, len(added))
             if packed is not None:  # grown in place, bounds read from the row's own ids
                 context.extend_packed(added, packed)
             prompt: Sequence[int] = added if windowed else context.view()  # not a copy
