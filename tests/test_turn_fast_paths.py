@@ -179,9 +179,10 @@ def test_packed_turn_prompt_is_the_turn_prompt(tokenizer, observation, cut, firs
     assert again == ids and again is not ids  # a fresh list each call: callers may extend it
 
 
-def test_packed_turn_prompt_refuses_window_mode(tokenizer) -> None:
-    with pytest.raises(ValueError, match="conversation mode"):
-        ChatFormat(tokenizer, history_window=2).packed_turn_prompt("x", [])
+def test_packed_turn_prompt_in_window_mode_is_the_turn_prompt_unpacked(tokenizer) -> None:
+    chat = ChatFormat(tokenizer, history_window=2)
+    history = [_turn([*tokenizer.encode("ok"), chat.eot_id])]
+    assert chat.packed_turn_prompt("x", history) == (chat.turn_prompt("x", history), None)
 
 
 def _turn(response: list[int]) -> Turn:

@@ -33,6 +33,13 @@ import numpy.typing as npt
 
 from rollpipe.agent.parsers import ResponseParser
 from rollpipe.agent.records import Turn
+from rollpipe.agent.tokenizer_paths import (
+    Packed,
+    fast_decoder,
+    fast_encoder,
+    packed,
+    template_message,
+)
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are an agent acting in a text game. Think briefly, then give your action "
@@ -122,16 +129,16 @@ class ChatFormat:
                 "ChatFormat.tokenizer has no chat_template; use a chat model's tokenizer "
                 "or set tokenizer.chat_template"
             )
-        object.__setattr__(self, "_fast_encode", _fast_encoder(self.tokenizer))
+        object.__setattr__(self, "_fast_encode", fast_encoder(self.tokenizer))
         cache = lru_cache(maxsize=PROMPT_CACHE_SIZE)
-        first_cached = cache(lambda obs: _packed(self._first_prompt_ids(obs)))
-        suffix_cached = cache(lambda obs: _packed(self._suffix_ids(obs)))
+        first_cached = cache(lambda obs: packed(self._first_prompt_ids(obs)))
+        suffix_cached = cache(lambda obs: packed(self._suffix_ids(obs)))
         object.__setattr__(self, "_first_cached", first_cached)
         object.__setattr__(self, "_suffix_cached", suffix_cached)
         first = self._suffix_ids("x")[0]
         special = set(self.tokenizer.all_special_ids)
         object.__setattr__(self, "_eot_id", first if first in special else None)
-        object.__setattr__(self, "_fast_decode", _fast_decoder(self.tokenizer))
+        object.__setattr__(self, "_fast_decode", fast_decoder(self.tokenizer))
         if self.parses_responses:
             self.response_parser(())  # a name unknown to vLLM, or unfit for the tokenizer
 
@@ -210,11 +217,12 @@ class ChatFormat:
 
     def packed_turn_prompt(
         self, observation: str, history: Sequence[Turn]
-    ) -> tuple[list[int], npt.NDArray[np.int64]]:
-        """Conversation mode's ``turn_prompt`` and the same ids as a read-only int64
-        array (kept with the cached pieces: a repeated observation is not packed again)."""
+    ) -> tuple[list[int], npt.NDArray[np.int64] | None]:
+        """``turn_prompt`` and, in conversation mode, the same ids as a read-only int64
+        array (kept with the cached pieces: a repeated observation is not packed again;
+        None in window mode, whose prompts are not cached)."""
         if self.history_window is not None:
-            raise ValueError("packed_turn_prompt is for conversation mode (history_window=None)")
+            return self.window_prompt(observation, history), None
         if not history:
             ids, packed = self._first_cached(observation)
             return list(ids), packed
@@ -299,7 +307,7 @@ class ChatFormat:
         OpenAI schemas) when there are any."""
         extra = {"tools": list(tools)} if tools else {}
         text = self.tokenizer.apply_chat_template(
-            [_template_message(m) for m in messages],
+            [template_message(m) for m in messages],
             tokenize=False,
             add_generation_prompt=generation_prompt,
             **extra,
@@ -332,89 +340,6 @@ class ChatFormat:
             )
             self._parsers[key] = parser
         return parser
-
-
-def _fast_decoder(tokenizer: Any) -> Callable[..., str] | None:
-    """The Rust tokenizer's own ``decode`` where transformers' ``decode`` would return
-    its text unchanged (a tokenizers-backed tokenizer, transformers' own ``decode`` and
-    ``_decode``, no clean-up of spaces); None otherwise."""
-    try:
-        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
-    except ImportError:  # another transformers: its decode, as it is
-        return None
-    cls = type(tokenizer)
-    same = (
-        isinstance(tokenizer, TokenizersBackend)
-        and cls.decode is PreTrainedTokenizerBase.decode
-        and cls._decode is TokenizersBackend._decode
-        and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False
-    )
-    backend = getattr(tokenizer, "_tokenizer", None)
-    return backend.decode if same and backend is not None else None
-
-
-Packed = tuple[tuple[int, ...], "npt.NDArray[np.int64]"]
-
-
-def _packed(ids: tuple[int, ...]) -> Packed:
-    """``ids`` with the same ids as a read-only int64 array."""
-    array = np.fromiter(ids, np.int64, len(ids))
-    array.flags.writeable = False
-    return ids, array
-
-
-def _fast_encoder(tokenizer: Any) -> Callable[[str], list[int]] | None:
-    """The Rust tokenizer's own ``encode`` (no special tokens added, special-token markup
-    recognised) where transformers' ``__call__`` would give the same ids: a
-    tokenizers-backed tokenizer with transformers' own ``__call__`` and ``_encode_plus``
-    that does not split special tokens; None otherwise. It skips the argument handling
-    of ``__call__`` (about 40% of encoding a short suffix)."""
-    try:
-        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
-    except ImportError:  # another transformers: its __call__, as it is
-        return None
-    cls = type(tokenizer)
-    same = (
-        isinstance(tokenizer, TokenizersBackend)
-        and cls.__call__ is PreTrainedTokenizerBase.__call__
-        and cls._encode_plus is TokenizersBackend._encode_plus
-        and getattr(tokenizer, "split_special_tokens", False) is False
-    )
-    backend = getattr(tokenizer, "_tokenizer", None)
-    if not same or backend is None:
-        return None
-
-    def encode(text: str) -> list[int]:
-        if backend.encode_special_tokens:  # what transformers' _encode_plus resets too
-            backend.encode_special_tokens = False
-        ids: list[int] = backend.encode(text, add_special_tokens=False).ids
-        return ids
-
-    return encode
-
-
-def _template_message(message: Mapping[str, Any]) -> Mapping[str, Any]:
-    """``message`` with its tool calls' ``arguments`` as a dict, as chat templates take
-    them (and as vLLM's renderer passes them): OpenAI messages carry them as JSON text,
-    which many templates reject and others render double-encoded."""
-    calls = message.get("tool_calls") if message.get("role") == "assistant" else None
-    if not calls:
-        return message
-    out = []
-    for call in calls:
-        function = call.get("function") if isinstance(call, Mapping) else None
-        arguments = function.get("arguments") if isinstance(function, Mapping) else None
-        if isinstance(function, Mapping) and isinstance(arguments, str):
-            try:
-                parsed = json.loads(arguments)
-            except ValueError:
-                parsed = None
-            if isinstance(parsed, dict):
-                call = {**call, "function": {**function, "arguments": parsed}}
-        out.append(call)
-    return {**message, "tool_calls": out}
 
 
 def _rebuild(settings: dict[str, Any]) -> ChatFormat:

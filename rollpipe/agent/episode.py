@@ -336,17 +336,14 @@ async def run_episode(
         structured = dialog is not None and takes_action(env)
         for t in range(s.max_turns):
             broke, packed = False, None
-            if dialog is None and windowed:
-                added = chat.turn_prompt(observation, turns)
-            elif dialog is None:  # the cached pieces come packed
+            if dialog is None:  # the cached pieces come packed (None in window mode)
                 added, packed = chat.packed_turn_prompt(observation, turns)
             elif not turns:
                 added = dialog.first_prompt(observation)
             else:
                 added, broke = dialog.continuation(observation, turns[-1].response_ids)
-            if packed is None and not windowed:
-                packed = np.fromiter(added, np.int64, len(added))
-            if packed is not None:  # grown in place, bounds read from the row's own ids
+            if not windowed:  # grown in place, bounds read from the row's own ids
+                packed = np.fromiter(added, np.int64, len(added)) if packed is None else packed
                 context.extend_packed(added, packed)
             prompt: Sequence[int] = added if windowed else context.view()  # not a copy
             budget = s.max_length - len(prompt)
