@@ -7,6 +7,7 @@ returning flat figures; ``bench.run`` merges them into one JSON object.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as _dt
 import os
 import platform
@@ -72,6 +73,20 @@ class BenchContext:
         if self._engine is None:
             raise RuntimeError("BenchContext.engine is None; this benchmark needs an engine")
         return self._engine
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Any:
+    """Torch on one intra-op thread while the block runs (restored after): a figure of
+    what one core does (two threads on a busy two-core box spin OpenMP in tensor fills)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def median(values: Sequence[float]) -> float:

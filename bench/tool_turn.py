@@ -30,9 +30,7 @@ import json
 import time
 from typing import Any
 
-import torch
-
-from bench.common import BenchContext, Figures, median, rounded
+from bench.common import BenchContext, Figures, median, one_torch_thread, rounded
 from rollpipe.engines.records import SamplingParams
 from rollpipe.engines.scripted import ScriptedEngine
 from rollpipe.envs.tool_env import ToolEnv
@@ -107,12 +105,8 @@ def _one_run(tokenizer: Any, tools: bool, turns: int) -> float:
 
 
 def run(ctx: BenchContext) -> Figures:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         return _run(ctx)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _run(ctx: BenchContext) -> Figures:

@@ -42,9 +42,8 @@ import time
 from typing import Any
 
 import psutil
-import torch
 
-from bench.common import BenchContext, Figures, median, rounded
+from bench.common import BenchContext, Figures, median, one_torch_thread, rounded
 from rollpipe.engines.records import SamplingParams
 from rollpipe.engines.scripted import ScriptedEngine
 from rollpipe.pipeline import PipelineConfig, RolloutPipeline
@@ -147,12 +146,8 @@ def _fixed_cost(ctx: BenchContext, repeats: int) -> tuple[float, float]:
 
 
 def run(ctx: BenchContext) -> Figures:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         return _run(ctx)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _run(ctx: BenchContext) -> Figures:
