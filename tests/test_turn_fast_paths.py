@@ -172,11 +172,14 @@ def test_packed_turn_prompt_is_the_turn_prompt(tokenizer, observation, cut, firs
     response = [*tokenizer.encode("ok"), *([] if cut else [chat.eot_id])]
     history = [] if first else [_turn(response)]
     ids, packed = chat.packed_turn_prompt(observation, history)
-    assert ids == chat.turn_prompt(observation, history)
-    assert packed.dtype == np.int64 and packed.tolist() == ids
-    assert not packed.flags.writeable  # shared by every turn that repeats the observation
-    again, _ = chat.packed_turn_prompt(observation, history)
-    assert again == ids and again is not ids  # a fresh list each call: callers may extend it
+    assert list(ids) == chat.turn_prompt(observation, history)
+    assert packed.dtype == np.int64 and packed.tolist() == list(ids)
+    # shared by every turn that repeats the observation: immutable, and not copied
+    assert isinstance(ids, tuple) and not packed.flags.writeable
+    again, packed_again = chat.packed_turn_prompt(observation, history)
+    assert again is ids and packed_again is packed
+    # the public lists are fresh: callers may extend them
+    assert chat.turn_prompt(observation, history) is not chat.turn_prompt(observation, history)
 
 
 def test_packed_turn_prompt_in_window_mode_is_the_turn_prompt_unpacked(tokenizer) -> None:

@@ -107,7 +107,9 @@ class ChatFormat:
     _first_cached: Callable[[str], Packed] = attrs.field(
         init=False, eq=False, repr=False, default=None
     )
-    _suffix_cached: Callable[[str], Packed] = attrs.field(
+    # the continuation pieces: all of them, and without their first id (the end of turn,
+    # when the response already ends with it)
+    _suffix_cached: Callable[[str], tuple[Packed, Packed]] = attrs.field(
         init=False, eq=False, repr=False, default=None
     )
     _fast_decode: Callable[..., str] | None = attrs.field(
@@ -132,7 +134,7 @@ class ChatFormat:
         object.__setattr__(self, "_fast_encode", fast_encoder(self.tokenizer))
         cache = lru_cache(maxsize=PROMPT_CACHE_SIZE)
         first_cached = cache(lambda obs: packed(self._first_prompt_ids(obs)))
-        suffix_cached = cache(lambda obs: packed(self._suffix_ids(obs)))
+        suffix_cached = cache(lambda obs: _with_cut(packed(self._suffix_ids(obs))))
         object.__setattr__(self, "_first_cached", first_cached)
         object.__setattr__(self, "_suffix_cached", suffix_cached)
         first = self._suffix_ids("x")[0]
@@ -205,27 +207,26 @@ class ChatFormat:
         """Ids appended after ``response_ids`` so the conversation goes on with
         ``observation``: end of turn (added when the response lacks it, e.g. cut at
         ``max_tokens``), the user turn, the generation prompt."""
-        return self._continuation(observation, response_ids)[0]
+        return list(self._continuation(observation, response_ids)[0])
 
-    def _continuation(
-        self, observation: str, response_ids: Sequence[int]
-    ) -> tuple[list[int], npt.NDArray[np.int64]]:
-        ids, packed = self._suffix_cached(observation)
+    def _continuation(self, observation: str, response_ids: Sequence[int]) -> Packed:
+        whole, cut = self._suffix_cached(observation)
         if self._eot_id is not None and len(response_ids) > 0 and response_ids[-1] == self._eot_id:
-            return list(ids[1:]), packed[1:]
-        return list(ids), packed
+            return cut
+        return whole
 
     def packed_turn_prompt(
         self, observation: str, history: Sequence[Turn]
-    ) -> tuple[list[int], npt.NDArray[np.int64] | None]:
+    ) -> tuple[Sequence[int], npt.NDArray[np.int64] | None]:
         """``turn_prompt`` and, in conversation mode, the same ids as a read-only int64
-        array (kept with the cached pieces: a repeated observation is not packed again;
-        None in window mode, whose prompts are not cached)."""
+        array. Conversation mode gives the cached pieces themselves (a tuple and its
+        array, shared by every turn that repeats the observation: nothing is copied or
+        packed again, and the turns that record them hold one tuple, not one each); window
+        mode a fresh list and None (its prompts are not cached)."""
         if self.history_window is not None:
             return self.window_prompt(observation, history), None
         if not history:
-            ids, packed = self._first_cached(observation)
-            return list(ids), packed
+            return self._first_cached(observation)
         return self._continuation(observation, history[-1].response_ids)
 
     def window_prompt(self, observation: str, history: Sequence[Turn]) -> list[int]:
@@ -340,6 +341,12 @@ class ChatFormat:
             )
             self._parsers[key] = parser
         return parser
+
+
+def _with_cut(pieces: Packed) -> tuple[Packed, Packed]:
+    """``pieces`` and the same without their first id."""
+    ids, array = pieces
+    return pieces, (ids[1:], array[1:])
 
 
 def _rebuild(settings: dict[str, Any]) -> ChatFormat:

@@ -218,10 +218,10 @@ def _dialog(chat: ChatFormat, env: Any, observation: Any) -> Dialog | None:
     return Dialog(chat, tool_set(tools))
 
 
-def _turn(prompt_ids: list[int], gen: Generation, text: str, observation: str) -> dict[str, Any]:
+def _turn(prompt: Sequence[int], gen: Generation, text: str, observation: str) -> dict[str, Any]:
     n = len(gen.token_ids)
     return {
-        "prompt_ids": prompt_ids,
+        "prompt_ids": prompt,
         "response_ids": gen.token_ids,
         # engines asked for no logprobs return none: record 0.0 (documented)
         "logprobs": gen.logprobs if len(gen.logprobs) == n else (0.0,) * n,
