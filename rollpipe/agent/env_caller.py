@@ -56,6 +56,7 @@ class EnvCaller:
         self.env, self.spec, self.threads, self.timeout = env, spec, threads, timeout
         self.lease, self.clock = lease, clock
         self.inline = not force_threads and not is_blocking(env)
+        self._awaitable: dict[Any, bool] = {}  # each env method: a coroutine function?
 
     def episode(self, turn: int) -> str:
         spec = self.spec
@@ -69,11 +70,15 @@ class EnvCaller:
         self, name: str, turn: int, check: Callable[[Any], T], arg: Any, **kwargs: Any
     ) -> T:
         fn = getattr(self.env, name)
+        func = getattr(fn, "__func__", fn)  # a method's function: the same every turn
+        awaitable = self._awaitable.get(func)
+        if awaitable is None:
+            awaitable = self._awaitable[func] = inspect.iscoroutinefunction(fn)
         if kwargs:  # reset(seed, row=...) of a dataset's group
             fn = functools.partial(fn, **kwargs)
         start = time.perf_counter()
         try:
-            if inspect.iscoroutinefunction(fn):
+            if awaitable:
                 result = await self._awaited(fn(arg))
             elif self.inline:  # declared fast: cheaper than a thread hop
                 result = fn(arg)
