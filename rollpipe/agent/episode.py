@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -56,17 +55,18 @@ from rollpipe._utils.checks import float_in, instance_of, int_in, one_of, option
 from rollpipe._utils.seeding import derive_seed
 from rollpipe.agent.chat import DEFAULT_SYSTEM_PROMPT, ChatFormat, parser_name
 from rollpipe.agent.dialog import Dialog
+from rollpipe.agent.engine_request import generate_turn
 from rollpipe.agent.env_caller import Clock, EnvCaller
 from rollpipe.agent.env_errors import EnvFailed
 from rollpipe.agent.env_returns import check_reset, check_step, clip_reward
 from rollpipe.agent.env_threads import EnvLease, EnvThreads
-from rollpipe.agent.generation_timeout import GenerationTimeoutError, answer_within
+from rollpipe.agent.generation_timeout import GenerationTimeoutError
 from rollpipe.agent.messages import messages_text
 from rollpipe.agent.records import EndReason, EpisodeSpec, Trajectory, Turn
 from rollpipe.agent.tools import tool_set
 from rollpipe.engines.inputs import CheckedIds
 from rollpipe.engines.protocol import Engine
-from rollpipe.engines.records import EngineError, Generation, SamplingParams
+from rollpipe.engines.records import Generation, SamplingParams
 from rollpipe.engines.routing import Session, in_session
 from rollpipe.envs.base import env_tools, takes_action
 from rollpipe.envs.metrics import aggregate_metrics, step_metrics
@@ -172,41 +172,6 @@ class EpisodeSettings:
             tool_parser=self.tool_parser,
             reasoning_parser=self.reasoning_parser,
         )
-
-
-async def generate_turn(
-    engine: Engine,
-    prompt: Sequence[int],
-    params: SamplingParams,
-    admit: Callable[[], Awaitable[None]] | None,
-    max_aborts: int,
-    clock: Clock,
-    session: Session,
-    limit: float | None = None,
-) -> Generation:
-    """One engine request, re-sent when the engine aborts it (paused with ``abort``).
-
-    ``admit()`` holds the re-sent request until the pipeline resumes; without a gate it
-    goes straight back to the engine, which queues it until its own ``resume()``.
-    """
-    aborts = 0
-    while True:
-        if admit is not None:
-            await admit()
-        start = time.perf_counter()
-        with in_session(session):  # an engine pool keeps the episode on one rank
-            request = engine.generate(prompt, params)
-            gen = await (request if limit is None else answer_within(engine, request, limit))
-        clock.engine += time.perf_counter() - start
-        if gen.finish_reason != "abort":
-            return gen
-        clock.aborted_tokens += len(gen.token_ids)
-        aborts += 1
-        if aborts > max_aborts:
-            raise EngineError(
-                f"engine aborted the same request {aborts} times in a row; raise max_aborts "
-                "or check why the engine keeps aborting (paused with mode='abort'?)"
-            )
 
 
 def _dialog(chat: ChatFormat, env: Any, observation: Any) -> Dialog | None:
@@ -324,77 +289,80 @@ async def run_episode(
             error_call=None if failure is None else failure.call,
         )
 
-    try:
-        reset = functools.partial(check_reset, env)
-        row = {} if spec.row_index is None else {"row": spec.row}  # a dataset's group
-        observation, info = await call_env("reset", 0, reset, spec.seed, **row)
-        success = bool(info.get("success", False))
+    with in_session(session):  # every request of the episode: a pool keeps it on one rank
         try:
-            dialog = _dialog(chat, env, observation)
-        except ValueError as exc:  # tools without a schema, a window with a chat env
-            raise EnvFailed(exc, f"{type(env).__name__}.tools: {call_env.episode(0)}") from exc
-        structured = dialog is not None and takes_action(env)
-        for t in range(s.max_turns):
-            broke, packed = False, None
-            if dialog is None:  # the cached pieces come packed (None in window mode)
-                added, packed = chat.packed_turn_prompt(observation, turns)
-            elif not turns:
-                added = dialog.first_prompt(observation)
-            else:
-                added, broke = dialog.continuation(observation, turns[-1].response_ids)
-            if not windowed:  # grown in place, bounds read from the row's own ids
-                packed = np.fromiter(added, np.int64, len(added)) if packed is None else packed
-                context.extend_packed(added, packed)
-            prompt: Sequence[int] = added if windowed else context.view()  # not a copy
-            budget = s.max_length - len(prompt)
-            if budget < 1:
-                end_reason = "max_length"
-                break
-            seed = derive_seed(spec.seed, spec.episode_id, t)
-            params = sampling.for_request(min(sampling.max_tokens, budget), seed)
-            try:
-                limit = s.generation_timeout_s
-                gen = await generate_turn(
-                    engine, prompt, params, admit, s.max_aborts, clock, session, limit
-                )
-            except GenerationTimeoutError as exc:
-                where = f"engine request: {call_env.episode(t)}"
-                raise EnvFailed(exc, f"{where}, generation_timeout_s={exc.limit}") from exc
-            action = None if dialog is None else dialog.act(gen.token_ids, t)
-            text = action.text if action is not None and structured else chat.decode(gen.token_ids)
-            fields = _turn(added, gen, text, messages_text(observation))
-            fields["prefix_break"], fields["prompt_array"] = broke, packed
-            if not windowed:  # past the end of the view the engine got (it may keep it)
-                context.extend_checked(gen.token_ids, trusted=True)
-            if gen.finish_reason == "length" and on_length != "step":
-                turns.append(Turn(**fields, reward=penalty, action_valid=False, stepped=False))
-                if on_length == "end":
-                    end_reason = "max_length"
-                    break
-                continue
-            try:
-                step = await call_env("step", t, checked_step, action if structured else text)
-            except EnvFailed:
-                turns.append(Turn(**fields, reward=0.0, action_valid=False, stepped=False))
-                raise
-            observation, reward, terminated, truncated, info = step
-            # an env that does not report action_valid: unknown (None), not invalid
-            turns.append(Turn(**fields, reward=reward, action_valid=info.get("action_valid")))
+            reset = functools.partial(check_reset, env)
+            row = {} if spec.row_index is None else {"row": spec.row}  # a dataset's group
+            observation, info = await call_env("reset", 0, reset, spec.seed, **row)
             success = bool(info.get("success", False))
             try:
-                step_values, modes = step_metrics(info)
-            except ValueError as exc:  # the env's bug: recorded like an env error
-                raise EnvFailed(exc, call_env.where("step", t)) from exc
-            metrics.append(step_values)
-            agg_modes.update(modes)
-            if terminated or truncated:
-                end_reason = "terminated" if terminated else "truncated"
-                break
-    except EnvFailed as failed:
-        if s.raise_env_errors:
-            failed.reraise()
-        end_reason, error, failure = "error", str(failed), failed
-    finally:
-        if own_threads:
-            threads.close(0.0)  # its thread ends once idle (or once a hung call returns)
+                dialog = _dialog(chat, env, observation)
+            except ValueError as exc:  # tools without a schema, a window with a chat env
+                raise EnvFailed(exc, f"{type(env).__name__}.tools: {call_env.episode(0)}") from exc
+            structured = dialog is not None and takes_action(env)
+            for t in range(s.max_turns):
+                broke, packed = False, None
+                if dialog is None:  # the cached pieces come packed (None in window mode)
+                    added, packed = chat.packed_turn_prompt(observation, turns)
+                elif not turns:
+                    added = dialog.first_prompt(observation)
+                else:
+                    added, broke = dialog.continuation(observation, turns[-1].response_ids)
+                if not windowed:  # grown in place, bounds read from the row's own ids
+                    packed = np.fromiter(added, np.int64, len(added)) if packed is None else packed
+                    context.extend_packed(added, packed)
+                prompt: Sequence[int] = added if windowed else context.view()  # not a copy
+                budget = s.max_length - len(prompt)
+                if budget < 1:
+                    end_reason = "max_length"
+                    break
+                seed = derive_seed(spec.seed, spec.episode_id, t)
+                params = sampling.for_request(min(sampling.max_tokens, budget), seed)
+                try:
+                    limit = s.generation_timeout_s
+                    gen = await generate_turn(
+                        engine, prompt, params, admit, s.max_aborts, clock, session, limit
+                    )
+                except GenerationTimeoutError as exc:
+                    where = f"engine request: {call_env.episode(t)}"
+                    raise EnvFailed(exc, f"{where}, generation_timeout_s={exc.limit}") from exc
+                action = None if dialog is None else dialog.act(gen.token_ids, t)
+                text = (
+                    action.text if action is not None and structured else chat.decode(gen.token_ids)
+                )
+                fields = _turn(added, gen, text, messages_text(observation))
+                fields["prefix_break"], fields["prompt_array"] = broke, packed
+                if not windowed:  # past the end of the view the engine got (it may keep it)
+                    context.extend_checked(gen.token_ids, trusted=True)
+                if gen.finish_reason == "length" and on_length != "step":
+                    turns.append(Turn(**fields, reward=penalty, action_valid=False, stepped=False))
+                    if on_length == "end":
+                        end_reason = "max_length"
+                        break
+                    continue
+                try:
+                    step = await call_env("step", t, checked_step, action if structured else text)
+                except EnvFailed:
+                    turns.append(Turn(**fields, reward=0.0, action_valid=False, stepped=False))
+                    raise
+                observation, reward, terminated, truncated, info = step
+                # an env that does not report action_valid: unknown (None), not invalid
+                turns.append(Turn(**fields, reward=reward, action_valid=info.get("action_valid")))
+                success = bool(info.get("success", False))
+                try:
+                    step_values, modes = step_metrics(info)
+                except ValueError as exc:  # the env's bug: recorded like an env error
+                    raise EnvFailed(exc, call_env.where("step", t)) from exc
+                metrics.append(step_values)
+                agg_modes.update(modes)
+                if terminated or truncated:
+                    end_reason = "terminated" if terminated else "truncated"
+                    break
+        except EnvFailed as failed:
+            if s.raise_env_errors:
+                failed.reraise()
+            end_reason, error, failure = "error", str(failed), failed
+        finally:
+            if own_threads:
+                threads.close(0.0)  # its thread ends once idle (or once a hung call returns)
     return done(end_reason, error)
