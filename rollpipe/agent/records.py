@@ -12,7 +12,6 @@ apart from the tensors).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from itertools import chain
 from typing import Any, Literal
 
 import attrs
@@ -150,12 +149,13 @@ class Turn:
     new_row: bool = attrs.field(default=False, converter=bool)
     # Packed copies for collation, made here, on the rollout loop while the engine
     # generates, so building a batch copies arrays instead of converting Python ints.
-    # ``prompt_array``: ``prompt_ids`` already packed (the episode packs them to read
-    # their bounds), so they are converted once.
+    # ``prompt_array``: ``prompt_ids`` already packed (the episode has them packed with
+    # the cached prompt pieces), kept as it is when read-only: turns that repeat an
+    # observation share one array.
     _prompt_array: np.ndarray | None = attrs.field(
         default=None, eq=False, repr=False, alias="prompt_array"
     )
-    token_array: np.ndarray = attrs.field(init=False, eq=False, repr=False)
+    response_array: np.ndarray = attrs.field(init=False, eq=False, repr=False)
     logprob_array: np.ndarray = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -167,17 +167,29 @@ class Turn:
                 f"{n}; give one {name[:-1]} per generated token"
             )
         packed, p = self._prompt_array, len(self.prompt_ids)
-        if packed is not None and len(packed) == p:  # one buffer, no concatenation
-            tokens = np.empty(p + n, dtype=np.int64)
-            tokens[:p], tokens[p:] = packed, self.response_ids
-        else:
-            count = len(self.prompt_ids) + n
-            tokens = np.fromiter(chain(self.prompt_ids, self.response_ids), np.int64, count)
-        object.__setattr__(self, "_prompt_array", None)  # kept once, in token_array
-        logprobs = np.fromiter(self.logprobs, dtype=np.float32, count=n)
-        tokens.flags.writeable = logprobs.flags.writeable = False
-        object.__setattr__(self, "token_array", tokens)
+        if packed is None or len(packed) != p or packed.dtype != np.int64:
+            packed = np.fromiter(self.prompt_ids, np.int64, p)
+        elif packed.flags.writeable:  # the caller's own array: a copy it cannot change
+            packed = packed.copy()
+        response = np.fromiter(self.response_ids, np.int64, n)
+        logprobs = np.fromiter(self.logprobs, np.float32, n)
+        packed.flags.writeable = response.flags.writeable = logprobs.flags.writeable = False
+        object.__setattr__(self, "_prompt_array", packed)
+        object.__setattr__(self, "response_array", response)
         object.__setattr__(self, "logprob_array", logprobs)
+
+    @property
+    def prompt_array(self) -> np.ndarray:
+        """``prompt_ids`` as a read-only int64 array (shared by turns that repeat them)."""
+        packed: np.ndarray = self._prompt_array  # type: ignore[assignment]  # never None
+        return packed
+
+    @property
+    def token_array(self) -> np.ndarray:
+        """Prompt then response ids, one read-only int64 array (a new one each call)."""
+        tokens: np.ndarray = np.concatenate((self.prompt_array, self.response_array))
+        tokens.flags.writeable = False
+        return tokens
 
     @property
     def length_cut(self) -> bool:
@@ -261,6 +273,9 @@ class Trajectory:
     env_metrics: Mapping[str, float] = attrs.field(factory=dict, converter=_metrics, hash=False)
     error_type: str | None = None
     error_call: str | None = None
+    # (oldest, newest) policy version of the generated tokens, None if none; computed on
+    # first use: the group assembler and the batch both read it for every trajectory
+    _span: tuple[int, int] | None = attrs.field(init=False, default=None, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if (self.end_reason == "error") != (self.error is not None):
@@ -301,16 +316,26 @@ class Trajectory:
         return sum(len(t.response_ids) for t in self.turns)
 
     @property
+    def version_span(self) -> tuple[int, int] | None:
+        """(oldest, newest) policy version that generated a token here; None if no token
+        was generated."""
+        if self._span is None and self.num_generated_tokens:
+            versions = [t.versions for t in self.turns if t.versions]
+            span = (min(map(min, versions)), max(map(max, versions)))
+            object.__setattr__(self, "_span", span)
+        return self._span
+
+    @property
     def min_version(self) -> int:
         """Oldest policy version that generated a token here; -1 if none was generated."""
-        versions = [min(t.versions) for t in self.turns if t.versions]
-        return min(versions) if versions else -1
+        span = self.version_span
+        return -1 if span is None else span[0]
 
     @property
     def max_version(self) -> int:
         """Newest policy version that generated a token here; -1 if none was generated."""
-        versions = [max(t.versions) for t in self.turns if t.versions]
-        return max(versions) if versions else -1
+        span = self.version_span
+        return -1 if span is None else span[1]
 
     @property
     def group_uid(self) -> str:
@@ -416,8 +441,8 @@ class Group:
     @property
     def min_version(self) -> int:
         """Oldest policy version in the group (-1 if no token was generated)."""
-        versions = [t.min_version for t in self.trajectories if t.num_generated_tokens]
-        return min(versions) if versions else -1
+        spans = [span for t in self.trajectories if (span := t.version_span) is not None]
+        return min(span[0] for span in spans) if spans else -1
 
     def to_state(self) -> dict[str, Any]:
         """Plain-data state, drop counts included; ``from_state`` rebuilds an equal group."""

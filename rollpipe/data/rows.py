@@ -70,7 +70,8 @@ class _Stream:
     def __init__(self, trajectories: Sequence[Trajectory]) -> None:
         turns = [u for t in trajectories for u in t.turns]
         n_resp = sum(len(u.response_ids) for u in turns)
-        self.ids = torch.from_numpy(np.concatenate([u.token_array for u in turns]))
+        pieces = [a for u in turns for a in (u.prompt_array, u.response_array)]
+        self.ids = torch.from_numpy(np.concatenate(pieces))
         self.logprobs = torch.from_numpy(np.concatenate([u.logprob_array for u in turns]))
         self.versions = _versions([u.versions for u in turns], n_resp)
         sizes = [
