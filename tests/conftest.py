@@ -55,6 +55,22 @@ def vllm_engine(tiny_model_path: Path) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session")
+def tools_vllm_engine() -> Iterator[Any]:
+    """One in-process VLLMEngine on the tiny model's tool-calling variant (hermes-style
+    template and marker tokens), shared by the front-door tests."""
+    from rollpipe.engines.vllm import VLLMEngine
+
+    path = default_model_path(tools=True)
+    engine = VLLMEngine(path, kv_cache_space_gib=1, max_model_len=2048, seed=0)
+    _SHARED_ENGINES.append(engine)
+    try:
+        yield engine
+    finally:
+        _SHARED_ENGINES.remove(engine)
+        engine.close()
+
+
+@pytest.fixture(scope="session")
 def hf_engine(tiny_model_path: Path) -> Iterator[Any]:
     """One HFEngine (transformers generate, micro-batched) for the whole session."""
     from rollpipe.engines.hf import HFEngine

@@ -23,21 +23,22 @@ TOOLS = [dict(s) for s in tool_set([add]).schemas]
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[Any]:
+def engine(tools_vllm_engine: Any) -> Iterator[Any]:
     """The tiny tools model on vLLM, each request and answer recorded at the boundary."""
-    from rollpipe.engines.vllm import VLLMEngine
+    e = tools_vllm_engine
+    generate = e.generate
+    e.seen = []
 
-    with VLLMEngine(tools_model_path(), kv_cache_space_gib=1, max_model_len=2048, seed=0) as e:
-        generate = e.generate
-        e.seen = []
+    async def recorded(prompt_ids: Any, params: Any, **kw: Any) -> Any:
+        gen = await generate(prompt_ids, params, **kw)
+        e.seen.append((list(prompt_ids), gen))
+        return gen
 
-        async def recorded(prompt_ids: Any, params: Any) -> Any:
-            gen = await generate(prompt_ids, params)
-            e.seen.append((list(prompt_ids), gen))
-            return gen
-
-        e.generate = recorded
+    e.generate = recorded
+    try:
         yield e
+    finally:
+        del e.generate, e.seen  # the shared engine's own method again
 
 
 @pytest.fixture

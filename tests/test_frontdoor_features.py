@@ -37,9 +37,9 @@ class LoopEngine(ScriptedEngine):
         self.runtime = Runtime("scripted-engine")
         self.params: list[Any] = []
 
-    async def generate(self, prompt_ids: Any, params: Any) -> Any:
+    async def generate(self, prompt_ids: Any, params: Any, **kw: Any) -> Any:
         self.params.append(params)
-        return await super().generate(prompt_ids, params)
+        return await super().generate(prompt_ids, params, **kw)
 
 
 @pytest.fixture
@@ -147,9 +147,18 @@ NAMED = {"type": "function", "function": {"name": "add"}}
     [
         ({"n": 2}, "n", "n=2"),
         ({"n": 4}, "n", "n=4"),
+        # what this engine cannot do (the scripted one has no structured outputs or
+        # top-k logprobs; a vLLM engine honours both, tests/test_frontdoor_forced.py)
         ({"tool_choice": "required", "tools": TOOLS}, "tool_choice", "'required'"),
-        ({"tool_choice": NAMED, "tools": TOOLS}, "tool_choice", "'name': 'add'"),
+        ({"tool_choice": NAMED, "tools": TOOLS}, "tool_choice", "tool_choice='add'"),
         ({"logprobs": True, "top_logprobs": 3}, "top_logprobs", "top_logprobs=3"),
+        # what no engine can do
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tool_choice": {"function": {"name": "mul"}}, "tools": TOOLS}, "tool_choice", "'mul'"),
+        ({"tool_choice": "any", "tools": TOOLS}, "tool_choice", "'any'"),
+        ({"top_logprobs": 3}, "top_logprobs", "logprobs=true"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "21"),
+        ({"parallel_tool_calls": "no"}, "parallel_tool_calls", "'no'"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "'e'"),
         ({"stop": ["ok", ""]}, "stop", "stop[1]"),
         ({"stop": 7}, "stop", "7"),

@@ -53,26 +53,27 @@ register("frontdoor-test-agent", make_agent_env, overwrite=True)
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[Any]:
+def engine(tools_vllm_engine: Any) -> Iterator[Any]:
     """The tiny tools model on vLLM; every request, its answer and the requests in
     flight recorded at the engine boundary."""
-    from rollpipe.engines.vllm import VLLMEngine
+    e = tools_vllm_engine
+    generate = e.generate
+    e.seen, e.in_flight = [], [0]
 
-    with VLLMEngine(tools_model_path(), kv_cache_space_gib=1, max_model_len=2048, seed=0) as e:
-        generate = e.generate
-        e.seen, e.in_flight = [], [0]
+    async def recorded(prompt_ids: Any, params: Any, **kw: Any) -> Any:
+        e.in_flight[0] += 1
+        try:
+            gen = await generate(prompt_ids, params, **kw)
+        finally:
+            e.in_flight[0] -= 1
+        e.seen.append((tuple(prompt_ids), gen))
+        return gen
 
-        async def recorded(prompt_ids: Any, params: Any) -> Any:
-            e.in_flight[0] += 1
-            try:
-                gen = await generate(prompt_ids, params)
-            finally:
-                e.in_flight[0] -= 1
-            e.seen.append((tuple(prompt_ids), gen))
-            return gen
-
-        e.generate = recorded
+    e.generate = recorded
+    try:
         yield e
+    finally:
+        del e.generate, e.seen, e.in_flight  # the shared engine's own method again
 
 
 def config(**kw: Any) -> PipelineConfig:

@@ -203,7 +203,11 @@ def test_a_streamed_call_gives_the_same_message_in_chunks(engine: LoopEngine) ->
                 got["usage"] = chunk.usage.completion_tokens
             for choice in chunk.choices:
                 got["content"] += choice.delta.content or ""
-                got["calls"] += [c.function.name for c in choice.delta.tool_calls or []]
+                for c in choice.delta.tool_calls or []:  # a call comes in pieces
+                    if c.index == len(got["calls"]):
+                        got["calls"].append({"id": c.id, "name": "", "arguments": ""})
+                    got["calls"][c.index]["name"] += c.function.name or ""
+                    got["calls"][c.index]["arguments"] += c.function.arguments or ""
                 got["finish"] = choice.finish_reason or got["finish"]
         return 1.0
 
@@ -217,7 +221,7 @@ def test_a_streamed_call_gives_the_same_message_in_chunks(engine: LoopEngine) ->
     assert traj.error is None and len(traj.turns) == 1
     assert got == {
         "content": "Let me add.",
-        "calls": ["add"],
+        "calls": [{"id": "call_0_0", "name": "add", "arguments": '{"a": 1, "b": 2}'}],
         "finish": "tool_calls",
         "usage": len(traj.turns[0].response_ids),
     }

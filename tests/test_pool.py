@@ -322,3 +322,21 @@ def test_any_control_sequence_during_batches_loses_nothing(
 def fresh_weights() -> dict[str, torch.Tensor]:
     """The checkpoint's final norm: a real (if unchanged) weight update."""
     return {"model.norm.weight": _norm()}
+
+
+def test_a_streamed_request_whose_rank_leaves_continues_on_another(fresh: EnginePool) -> None:
+    """The ids already streamed stay: the request goes on from them on the other rank,
+    with the budget left, instead of starting again (which would repeat them)."""
+    import asyncio
+
+    streamed: list[int] = []
+    params = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)  # many steps
+    thread, out = in_background(
+        lambda: asyncio.run(fresh.generate([5, 6, 7], params, on_tokens=streamed.extend))
+    )
+    wait_until(lambda: len(streamed) > 0, 60, "the first streamed ids")
+    (busy,) = [load.rank for load in fresh.loads() if load.requests]
+    fresh.shrink(sorted(fresh.rank_devices(busy)))  # it leaves mid-request
+    gen = joined(thread, out)
+    assert list(gen.token_ids) == streamed and len(streamed) == 1500  # none twice, none lost
+    assert gen.finish_reason == "length" and fresh.active_ranks == [1 - busy]

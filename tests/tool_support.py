@@ -31,7 +31,9 @@ class ScriptedEngine:
         self.prompts: list[list[int]] = []
         self.responses: list[list[int]] = []
 
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, on_tokens: Any = None
+    ) -> Generation:
         text = self.texts[len(self.prompts)] if len(self.prompts) < len(self.texts) else "done"
         self.prompts.append(list(prompt_ids))
         ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -39,6 +41,8 @@ class ScriptedEngine:
         eot = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         reason = "stop" if ids and ids[-1] == eot else "length"
         self.responses.append(ids)
+        if on_tokens is not None and ids:  # the whole answer at once, as the protocol allows
+            on_tokens(list(ids))
         return Generation(ids, [-0.5] * len(ids), reason, [0] * len(ids))
 
 

@@ -26,7 +26,7 @@ from rollpipe.engines.inputs import (
     check_prompt_view,
     named_tensors,
 )
-from rollpipe.engines.protocol import PauseMode, WeightsLike
+from rollpipe.engines.protocol import OnTokens, PauseMode, WeightsLike
 from rollpipe.engines.records import EngineClosedError, EngineError, Generation, SamplingParams
 from rollpipe.engines.state import (
     EngineState,
@@ -80,6 +80,8 @@ class BaseEngine(EngineStateView):
         # a backend that reads prompts as sequences gets an episode's PromptView as it is
         views = bool(getattr(self._backend, "takes_views", False))
         self._check_prompt = check_prompt_view if views else check_prompt
+        # what the backend can do beyond the basics: top_logprobs, json_schema, on_tokens
+        self._features = frozenset(getattr(self._backend, "features", ()))
 
     # -- state (version, pause_mode, closed, ...: EngineStateView) ----------------------
     @property
@@ -122,16 +124,36 @@ class BaseEngine(EngineStateView):
         return self._scope.call(coro, timeout)
 
     # -- the protocol --------------------------------------------------------------------
-    async def generate(self, prompt_ids: PromptIds, params: SamplingParams) -> Generation:
-        """Generate one completion; awaitable from any event loop or thread."""
+    async def generate(
+        self, prompt_ids: PromptIds, params: SamplingParams, *, on_tokens: OnTokens = None
+    ) -> Generation:
+        """Generate one completion; awaitable from any event loop or thread.
+
+        ``on_tokens`` gets the response's ids as they are produced (``OnTokens``)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.top_logprobs or params.json_schema is not None:
+            self._check_features(params)
         prompt = self._check_prompt(prompt_ids, self._backend.vocab_size)
         self._state.check_open()
         if self._runtime.in_loop():  # a Rollout's episode: no hop, no task (Scope.run's path)
             self._scope.check_open()
-            return await self._generate(prompt, params)
-        return await self._scope.run(self._generate(prompt, params))
+            return await self._generate(prompt, params, on_tokens)
+        return await self._scope.run(self._generate(prompt, params, on_tokens))
+
+    def supports(self, feature: str) -> bool:
+        """Whether this engine honours ``feature``: ``"top_logprobs"``, ``"json_schema"``
+        (``SamplingParams`` fields) or ``"on_tokens"`` (ids as they are produced, not all
+        at once at the end)."""
+        return feature in self._features
+
+    def _check_features(self, params: SamplingParams) -> None:
+        for field in ("top_logprobs", "json_schema"):
+            if getattr(params, field) not in (0, None) and field not in self._features:
+                raise EngineError(
+                    f"SamplingParams.{field}={getattr(params, field)!r}: {type(self).__name__} "
+                    f"does not support {field}; leave it at its default or use a vLLM engine"
+                )
 
     def generate_batch(
         self, prompts: Sequence[PromptIds], params: SamplingParams
@@ -141,9 +163,11 @@ class BaseEngine(EngineStateView):
             raise EngineError("generate_batch blocks; do not call it on the engine's own loop")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.top_logprobs or params.json_schema is not None:
+            self._check_features(params)
         checked = [self._check_prompt(p, self._backend.vocab_size) for p in prompts]
         self._state.check_open()
-        futures = [self._scope.submit(self._generate(p, params)) for p in checked]
+        futures = [self._scope.submit(self._generate(p, params, None)) for p in checked]
         return [f.result() for f in futures]
 
     def pause(self, mode: PauseMode = "abort") -> None:
@@ -194,11 +218,20 @@ class BaseEngine(EngineStateView):
         self.close()
 
     # -- on the loop ---------------------------------------------------------------------
-    async def _generate(self, prompt: list[int] | PromptView, params: SamplingParams) -> Generation:
+    async def _generate(
+        self, prompt: list[int] | PromptView, params: SamplingParams, on_tokens: OnTokens
+    ) -> Generation:
         # a PromptView only reaches a backend that declared takes_views (see _attach)
-        gen = await self._backend.generate(cast(list[int], prompt), params)
+        ids = cast(list[int], prompt)
+        streams = on_tokens is not None and "on_tokens" in self._features
+        if streams:
+            gen = await self._backend.generate(ids, params, on_tokens)  # type: ignore[call-arg]
+        else:
+            gen = await self._backend.generate(ids, params)
         if not self._backend_reports_tokens:  # counted as produced otherwise
             self._produced(len(gen.token_ids))
+        if on_tokens is not None and not streams and gen.token_ids:  # all of it, at once
+            on_tokens(list(gen.token_ids))
         return gen
 
     async def _pause(self, mode: PauseMode) -> None:

@@ -33,6 +33,7 @@ class HFBackend:
     """
 
     reports_tokens = True
+    features = frozenset({"top_logprobs"})
 
     def __init__(
         self,

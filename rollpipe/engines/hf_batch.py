@@ -34,13 +34,17 @@ class Row:
         self.stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos)
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
+        self.top: list[tuple[tuple[int, float], ...]] = []
         self.versions: list[int] = []
         self.reason: str | None = None  # set by the step that ends the row
 
     def finish(self, reason: str) -> None:
         """Deliver what the row produced (on the loop)."""
         if not self.fut.done():
-            self.fut.set_result(Generation(self.tokens, self.logprobs, reason, self.versions))
+            gen = Generation(
+                self.tokens, self.logprobs, reason, self.versions, top_logprobs=self.top
+            )
+            self.fut.set_result(gen)
 
     def fail(self, error: BaseException) -> None:
         if not self.fut.done():
@@ -134,14 +138,27 @@ class DecodeBatch:
             self.last = chosen[:, None]
             tokens: list[int] = chosen.tolist()
             logprobs: list[float] = []
-            if any(row.params.logprobs for row in self.rows):
-                logprobs = torch.log_softmax(logits, -1).gather(-1, self.last)[:, 0].tolist()
+            tops: list[list[tuple[int, float]]] = []
+            k = max(row.params.top_logprobs for row in self.rows)
+            if k or any(row.params.logprobs for row in self.rows):
+                every = torch.log_softmax(logits, -1)
+                logprobs = every.gather(-1, self.last)[:, 0].tolist()
+                if k:  # the k most likely of each row, most likely first
+                    best = every.topk(k, -1)
+                    tops = [
+                        list(zip(ids, lps, strict=True))
+                        for ids, lps in zip(
+                            best.indices.tolist(), best.values.tolist(), strict=True
+                        )
+                    ]
         finished = []
         for i, row in enumerate(self.rows):
             row.tokens.append(tokens[i])
             row.versions.append(version)
             if row.params.logprobs:
                 row.logprobs.append(logprobs[i])
+            if row.params.top_logprobs:
+                row.top.append(tuple(tops[i][: row.params.top_logprobs]))
             if tokens[i] in row.stop:
                 row.reason = "stop"
             elif len(row.tokens) >= row.params.max_tokens:

@@ -40,7 +40,7 @@ import torch
 from rollpipe._utils.checks import check_int
 from rollpipe.engines.inputs import PromptIds, check_prompt, named_tensors
 from rollpipe.engines.pool_ranks import Rank, RankTable, check_devices, pool_devices
-from rollpipe.engines.protocol import Engine, PauseMode, WeightsLike
+from rollpipe.engines.protocol import Engine, OnTokens, PauseMode, WeightsLike, engine_supports
 from rollpipe.engines.records import EngineClosedError, EngineError, Generation, SamplingParams
 from rollpipe.engines.routing import RankLoad, Router, Session, current_session, make_router
 from rollpipe.engines.state import (
@@ -52,6 +52,16 @@ from rollpipe.engines.state import (
 from rollpipe.runtime import Runtime
 
 __all__ = ["EnginePool"]
+
+
+def _counted(on_tokens: Callable[[list[int]], None], count: list[int]) -> OnTokens:
+    """``on_tokens``, counting the ids it passed on in ``count[0]``."""
+
+    def counted(ids: list[int]) -> None:
+        count[0] += len(ids)
+        on_tokens(ids)
+
+    return counted
 
 
 class EnginePool(EngineStateView):
@@ -150,13 +160,25 @@ class EnginePool(EngineStateView):
         """Ranks taken out because their engine failed, with the error."""
         return {r.index: r.error for r in self._table.ranks if r.error is not None}
 
+    def supports(self, feature: str) -> bool:
+        """Whether every active rank's engine honours ``feature`` (``BaseEngine.supports``)."""
+        engines = self._table.active_engines()
+        return bool(engines) and all(engine_supports(e, feature) for e in engines)
+
     # -- requests --------------------------------------------------------------------------
-    async def generate(self, prompt_ids: PromptIds, params: SamplingParams) -> Generation:
-        """Route one request; re-send it if its rank leaves the pool before it finishes."""
+    async def generate(
+        self, prompt_ids: PromptIds, params: SamplingParams, *, on_tokens: OnTokens = None
+    ) -> Generation:
+        """Route one request; re-send it if its rank leaves the pool before it finishes.
+
+        ``on_tokens`` reaches the rank's engine; it is called on that engine's loop. A
+        streamed request (``on_tokens``) is not re-sent from its start, since its first
+        ids are already out: it continues on another rank from the prompt plus those ids,
+        with the budget left; if its rank's engine fails after streaming, it fails."""
         prompt = check_prompt(prompt_ids)  # each rank checks the ids against its vocabulary
         self._state.check_open()
         session = current_session()  # read in the caller's task, before any hop
-        return await self._scope.run(self._generate(prompt, params, session))
+        return await self._scope.run(self._generate(prompt, params, session, on_tokens))
 
     def generate_batch(
         self, prompts: Sequence[PromptIds], params: SamplingParams
@@ -169,23 +191,40 @@ class EnginePool(EngineStateView):
         return [f.result() for f in futures]
 
     async def _generate(
-        self, prompt: list[int], params: SamplingParams, session: Session | None
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        session: Session | None,
+        on_tokens: OnTokens = None,
     ) -> Generation:
         cost = len(prompt) + params.max_tokens
+        parts: list[Generation] = []  # a streamed request's tokens from ranks that left
         while True:
             rank, engine = self._table.pick(session, cost)
+            streamed = [0]
             try:
-                gen = await engine.generate(prompt, params)
+                if on_tokens is None:  # engines written before on_tokens keep working
+                    gen = await engine.generate(prompt, params)
+                else:
+                    gen = await engine.generate(
+                        prompt, params, on_tokens=_counted(on_tokens, streamed)
+                    )
                 # aborted because its rank left mid-request: regenerate the turn elsewhere
                 resend = gen.finish_reason == "abort" and self._table.resent_if_left(rank, engine)
             except EngineError:
-                if not self._table.left_or_failed(rank, engine):
-                    raise
+                if not self._table.left_or_failed(rank, engine) or streamed[0]:
+                    raise  # (tokens already streamed cannot be taken back: fail the request)
                 resend = True
             finally:
                 self._table.release(rank, cost)
             if not resend:
-                return gen
+                return Generation.joined([*parts, gen], gen.finish_reason) if parts else gen
+            if on_tokens is not None and gen.token_ids:  # continue from what was streamed
+                parts.append(gen)
+                left = params.max_tokens - len(gen.token_ids)
+                if left < 1:
+                    return Generation.joined(parts, "length")
+                prompt, params = [*prompt, *gen.token_ids], params.replace(max_tokens=left)
 
     # -- control ---------------------------------------------------------------------------
     def pause(self, mode: PauseMode = "abort") -> None:

@@ -7,7 +7,7 @@ live in ``records.py``; ``BaseEngine`` (``base.py``) implements it on a backend.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
@@ -19,8 +19,10 @@ __all__ = [
     "DEFAULT_UPDATE_WEIGHTS_TIMEOUT_S",
     "PAUSE_MODES",
     "Engine",
+    "OnTokens",
     "PauseMode",
     "WeightsLike",
+    "engine_supports",
 ]
 
 PauseMode = Literal["keep", "abort", "wait"]
@@ -28,6 +30,11 @@ PauseMode = Literal["keep", "abort", "wait"]
 with finish_reason "abort"; ``wait``: they finish. New requests wait for resume."""
 
 PAUSE_MODES: tuple[PauseMode, ...] = ("keep", "abort", "wait")
+
+OnTokens = Callable[[list[int]], None] | None
+"""``generate(..., on_tokens=f)``: ``f(ids)`` gets each piece of the response's token ids
+as the engine produces them, in order, on the engine's loop (the front door streams them).
+Engines that produce a response at once call it once, with all its ids, before returning."""
 
 DEFAULT_UPDATE_WEIGHTS_TIMEOUT_S = 600.0
 """How long a remote engine's (Ray actor, vLLM server) ``update_weights`` may take before
@@ -55,7 +62,9 @@ class Engine(Protocol):
         (``generation_timeout_s`` starts again after one)."""
         ...
 
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation: ...
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, on_tokens: OnTokens = None
+    ) -> Generation: ...
 
     def generate_batch(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
@@ -77,3 +86,10 @@ class Engine(Protocol):
     def __enter__(self) -> Engine: ...
 
     def __exit__(self, *exc: object) -> None: ...
+
+
+def engine_supports(engine: Engine, feature: str) -> bool:
+    """Whether ``engine`` says it honours ``feature`` (its ``supports(feature)``); an
+    engine without that method supports none of the optional features."""
+    supports = getattr(engine, "supports", None)
+    return bool(supports(feature)) if callable(supports) else False

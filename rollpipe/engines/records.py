@@ -6,12 +6,13 @@ written, with a message naming the field.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import Any
 
 import attrs
 
-from rollpipe._utils.checks import check_int, float_in, int_at_least
+from rollpipe._utils.checks import check_int, float_in, int_at_least, int_in
 from rollpipe.runtime import RuntimeClosedError
 
 __all__ = [
@@ -58,6 +59,25 @@ def _check_bool(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
         raise ValueError(f"{type(inst).__name__}.{attr.name} must be a bool, got {value!r}")
 
 
+def _schema_text(value: Any) -> Any:
+    """A JSON schema given as a dict is stored as its JSON text (the params stay hashable)."""
+    return json.dumps(value, sort_keys=True) if isinstance(value, dict) else value
+
+
+def _check_schema(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    if value is None:
+        return
+    try:
+        schema = json.loads(value) if isinstance(value, str) else None
+    except json.JSONDecodeError as exc:
+        schema, value = None, f"{value[:80]!r} ({exc})"
+    if not isinstance(schema, dict):
+        raise ValueError(
+            f"SamplingParams.json_schema must be a JSON schema object (a dict or its JSON "
+            f"text), got {value!r}"
+        )
+
+
 @attrs.frozen
 class SamplingParams:
     """How to sample one completion. ``temperature=0`` is greedy; ``top_k=0`` is off.
@@ -65,6 +85,12 @@ class SamplingParams:
     ``seed`` makes a sampled completion reproducible; ``None`` draws fresh randomness.
     Generation ends at EOS (unless ``ignore_eos``), at any ``stop_token_ids`` (the stop
     token is kept in the output) or after ``max_tokens``.
+
+    ``top_logprobs=k`` also returns, per token, the ``k`` most likely tokens and their
+    log-probabilities (OpenAI's ``top_logprobs``, vLLM's ``logprobs=k``; at most 20).
+    ``json_schema`` constrains the output to JSON matching the schema (vLLM's structured
+    outputs, ``StructuredOutputsParams(json=...)``). Engines that cannot do either raise
+    ``EngineError`` naming the field.
     """
 
     max_tokens: int = attrs.field(default=64, validator=int_at_least(1))
@@ -77,6 +103,10 @@ class SamplingParams:
     seed: int | None = attrs.field(default=None, validator=_check_seed)
     logprobs: bool = attrs.field(default=True, validator=_check_bool)
     ignore_eos: bool = attrs.field(default=False, validator=_check_bool)
+    top_logprobs: int = attrs.field(default=0, validator=int_in(0, 20))
+    json_schema: str | None = attrs.field(
+        default=None, converter=_schema_text, validator=_check_schema
+    )
 
     @property
     def greedy(self) -> bool:
@@ -129,6 +159,18 @@ def _check_generation(inst: Generation, attr: attrs.Attribute[Any], value: Any) 
         )
 
 
+def _top_entries(value: Any) -> tuple[tuple[tuple[int, float], ...], ...]:
+    return value if isinstance(value, tuple) else tuple(tuple(pos) for pos in value)
+
+
+def _check_top(inst: Generation, attr: attrs.Attribute[Any], value: Any) -> None:
+    if value and len(value) != len(inst.token_ids):
+        raise ValueError(
+            f"Generation.top_logprobs must be empty or have one entry per token "
+            f"({len(inst.token_ids)}), got {len(value)}"
+        )
+
+
 @attrs.frozen
 class Generation:
     """One completion: sampled tokens, their log-probabilities and policy versions.
@@ -137,7 +179,9 @@ class Generation:
     engine version whose weights produced ``token_ids[i]``; a request that spans a
     weight update holds both versions. ``cached_tokens``: how many prompt tokens the
     engine's prefix cache served (None where the engine does not say; vLLM in-process
-    does).
+    does). ``top_logprobs[i]``: the request's ``top_logprobs`` most likely
+    ``(token_id, logprob)`` pairs at position ``i``, most likely first (empty when the
+    request asked for none).
 
     Backends build it from the Python ints and floats they already hold: the fields are
     stored as tuples, and only their lengths are checked (no per-element conversion).
@@ -148,7 +192,23 @@ class Generation:
     finish_reason: str = attrs.field()
     versions: tuple[int, ...] = attrs.field(converter=_frozen_ints, validator=_check_generation)
     cached_tokens: int | None = None  # prompt tokens the engine's prefix cache served
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = attrs.field(
+        default=(), converter=_top_entries, validator=_check_top
+    )
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @classmethod
+    def joined(cls, parts: Iterable[Generation], finish_reason: str) -> Generation:
+        """One generation of ``parts`` produced one after the other (a request continued
+        from the tokens of one that was aborted), ending with ``finish_reason``."""
+        parts = list(parts)
+        return cls(
+            [t for g in parts for t in g.token_ids],
+            [lp for g in parts for lp in g.logprobs],
+            finish_reason,
+            [v for g in parts for v in g.versions],
+            top_logprobs=[top for g in parts for top in g.top_logprobs],
+        )

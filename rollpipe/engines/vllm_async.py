@@ -16,13 +16,14 @@ from typing import Any
 import torch
 
 from rollpipe.engines.backend import EngineLink
-from rollpipe.engines.protocol import PauseMode
+from rollpipe.engines.protocol import OnTokens, PauseMode
 from rollpipe.engines.records import EngineError, Generation, SamplingParams
 from rollpipe.engines.vllm_common import (
     VLLMBackendBase,
     finish_reason,
     reload_weights_on_worker,
     sampled_logprobs,
+    top_logprobs,
 )
 
 __all__ = ["AsyncBackend"]
@@ -67,13 +68,16 @@ class AsyncBackend(VLLMBackendBase):
             raise
         return cls(llm, link)
 
-    async def generate(self, prompt: list[int], params: SamplingParams) -> Generation:
+    async def generate(
+        self, prompt: list[int], params: SamplingParams, on_tokens: OnTokens = None
+    ) -> Generation:
         from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError
 
         rid, sp = self.request(prompt, params)
         tokens: list[int] = []
         logprobs: list[float] = []
+        top: list[tuple[tuple[int, float], ...]] = []
         versions: list[int] = []
         final = None
         self.inflight.add(rid)
@@ -87,6 +91,10 @@ class AsyncBackend(VLLMBackendBase):
                 versions.extend([self.link.version()] * len(ids))
                 if params.logprobs and ids:
                     logprobs.extend(sampled_logprobs(ids, comp.logprobs))
+                if params.top_logprobs and ids:
+                    top.extend(top_logprobs(comp.logprobs, params.top_logprobs))
+                if on_tokens is not None and ids:
+                    on_tokens(ids)
                 if out.finished:
                     final = comp
         except EngineDeadError as e:
@@ -101,7 +109,8 @@ class AsyncBackend(VLLMBackendBase):
         if final is None:
             raise EngineError(f"vLLM request {rid} ended without a final output")
         versions = _span_versions(getattr(final, "weight_versions", None), len(tokens)) or versions
-        return Generation(tokens, logprobs, finish_reason(final.finish_reason), versions)
+        reason = finish_reason(final.finish_reason)
+        return Generation(tokens, logprobs, reason, versions, top_logprobs=top)
 
     async def pause(self, mode: PauseMode) -> None:
         await self.llm.pause_generation(mode=mode, clear_cache=False)

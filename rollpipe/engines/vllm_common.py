@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import json
 from typing import Any
 
 import torch
@@ -16,7 +17,13 @@ import torch
 from rollpipe.engines.backend import EngineLink
 from rollpipe.engines.records import EngineError, SamplingParams
 
-__all__ = ["VLLMBackendBase", "finish_reason", "reload_weights_on_worker", "sampled_logprobs"]
+__all__ = [
+    "VLLMBackendBase",
+    "finish_reason",
+    "reload_weights_on_worker",
+    "sampled_logprobs",
+    "top_logprobs",
+]
 
 _REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -46,6 +53,19 @@ def sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
     return [float(pos[tok].logprob) for tok, pos in zip(token_ids, logprobs, strict=True)]
 
 
+def top_logprobs(logprobs: Any, k: int) -> list[tuple[tuple[int, float], ...]]:
+    """The ``k`` most likely ``(token_id, logprob)`` pairs of each position, most likely
+    first, from vLLM's per-position dicts (which also hold the sampled token, whatever
+    its rank)."""
+    if logprobs is None:
+        raise EngineError("vLLM returned no logprobs although the request asked for top_logprobs")
+    out = []
+    for pos in logprobs:
+        ranked = sorted((lp.rank, tok, lp.logprob) for tok, lp in pos.items() if lp.rank <= k)
+        out.append(tuple((int(tok), float(lp)) for _, tok, lp in ranked))
+    return out
+
+
 def finish_reason(reason: Any) -> str:
     """vLLM's finish reason as one of ``FINISH_REASONS``."""
     mapped = _REASONS.get(str(reason))
@@ -61,6 +81,7 @@ class VLLMBackendBase:
     """
 
     reports_tokens = True
+    features = frozenset({"top_logprobs", "json_schema", "on_tokens"})
 
     def __init__(self, llm: Any, link: EngineLink) -> None:
         self.llm = llm
@@ -81,8 +102,12 @@ class VLLMBackendBase:
     @staticmethod
     def sampling_params(params: SamplingParams) -> Any:
         from vllm import SamplingParams as VSamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
+        structured = None
+        if params.json_schema is not None:
+            structured = StructuredOutputsParams(json=json.loads(params.json_schema))
+        wanted = params.logprobs or params.top_logprobs > 0
         return VSamplingParams(
             n=1,
             max_tokens=params.max_tokens,
@@ -91,8 +116,9 @@ class VLLMBackendBase:
             top_k=params.top_k,
             stop_token_ids=list(params.stop_token_ids),
             seed=params.seed,
-            logprobs=0 if params.logprobs else None,
+            logprobs=params.top_logprobs if wanted else None,
             ignore_eos=params.ignore_eos,
+            structured_outputs=structured,
             detokenize=False,
             skip_special_tokens=False,
             output_kind=RequestOutputKind.DELTA,

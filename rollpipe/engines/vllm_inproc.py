@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from rollpipe.engines.backend import EngineLink
-from rollpipe.engines.protocol import PauseMode
+from rollpipe.engines.protocol import OnTokens, PauseMode
 from rollpipe.engines.records import EngineError, Generation, SamplingParams
 from rollpipe.engines.threads import set_thread_torch_threads
 from rollpipe.engines.vllm_common import (
@@ -31,6 +31,7 @@ from rollpipe.engines.vllm_common import (
     finish_reason,
     reload_weights_on_worker,
     sampled_logprobs,
+    top_logprobs,
 )
 
 __all__ = ["BURST_GAP_S", "BURST_MAX_S", "CPU_FORWARD_LOCK", "InprocBackend"]
@@ -49,25 +50,34 @@ class _Request:
         "cached_tokens",
         "fut",
         "logprobs",
+        "on_tokens",
         "prompt",
         "rid",
         "sp",
         "tokens",
+        "top",
+        "top_k",
         "versions",
         "want_lp",
     )
 
-    def __init__(self, rid: str, prompt: list[int], sp: Any, want_lp: bool) -> None:
-        self.rid, self.prompt, self.sp, self.want_lp = rid, prompt, sp, want_lp
+    def __init__(
+        self, rid: str, prompt: list[int], sp: Any, params: SamplingParams, on_tokens: OnTokens
+    ) -> None:
+        self.rid, self.prompt, self.sp = rid, prompt, sp
+        self.want_lp, self.top_k, self.on_tokens = params.logprobs, params.top_logprobs, on_tokens
         self.fut: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
+        self.top: list[tuple[tuple[int, float], ...]] = []
         self.versions: list[int] = []
         self.cached_tokens: int | None = None
 
     def finish(self, reason: str) -> None:
         if not self.fut.done():
-            gen = Generation(self.tokens, self.logprobs, reason, self.versions, self.cached_tokens)
+            gen = Generation(
+                self.tokens, self.logprobs, reason, self.versions, self.cached_tokens, self.top
+            )
             self.fut.set_result(gen)
 
     def fail(self, exc: BaseException) -> None:
@@ -141,9 +151,11 @@ class InprocBackend(VLLMBackendBase):
         return cls(llm, link, forward_lock)
 
     # -- requests ------------------------------------------------------------------------
-    async def generate(self, prompt: list[int], params: SamplingParams) -> Generation:
+    async def generate(
+        self, prompt: list[int], params: SamplingParams, on_tokens: OnTokens = None
+    ) -> Generation:
         rid, sp = self.request(prompt, params)
-        req = _Request(rid, prompt, sp, params.logprobs)
+        req = _Request(rid, prompt, sp, params, on_tokens)
         if self.link.pause_mode() is None:
             self._add(req)
         else:
@@ -224,6 +236,10 @@ class InprocBackend(VLLMBackendBase):
         req.versions.extend([version] * len(ids))
         if req.want_lp and ids:
             req.logprobs.extend(sampled_logprobs(ids, comp.logprobs))
+        if req.top_k and ids:
+            req.top.extend(top_logprobs(comp.logprobs, req.top_k))
+        if req.on_tokens is not None and ids:
+            req.on_tokens(ids)
         if out.num_cached_tokens is not None:
             req.cached_tokens = out.num_cached_tokens
         if out.finished:

@@ -22,7 +22,7 @@ import attrs
 __all__ = ["ChatRequest", "RequestError", "normalise_message", "parse_chat_request"]
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-TOOL_CHOICES = ("auto", "none")
+TOOL_CHOICES = ("auto", "none", "required")
 RENDERING = (
     "chat_template",
     "chat_template_kwargs",
@@ -63,7 +63,9 @@ class ChatRequest:
 
     messages: tuple[dict[str, Any], ...]
     tools: tuple[dict[str, Any], ...] = ()
-    tool_choice: str = "auto"
+    tool_choice: str = "auto"  # "auto", "none", "required" or "function" (a named one)
+    tool_name: str | None = None  # the function a "function" choice names
+    parallel_tool_calls: bool | None = None
     sampling: Mapping[str, Any] = attrs.field(factory=dict)
     logprobs: bool = False
     return_token_ids: bool = False
@@ -228,6 +230,32 @@ def _stop(value: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def _tool_choice(value: Any, tools: tuple[dict[str, Any], ...]) -> tuple[str, str | None]:
+    """``tool_choice`` as (``"auto"`` / ``"none"`` / ``"required"`` / ``"function"``, the
+    named function or None); a forced choice needs ``tools`` holding it."""
+    if value is None or value in ("auto", "none"):
+        return value or "auto", None
+    names = [t["function"]["name"] for t in tools]
+    if value == "required":
+        if not tools:
+            raise RequestError("tool_choice='required' needs tools; send some", "tool_choice")
+        return "required", None
+    fn = value.get("function") if isinstance(value, Mapping) else None
+    name = fn.get("name") if isinstance(fn, Mapping) else None
+    if not isinstance(name, str) or value.get("type", "function") != "function":
+        raise RequestError(
+            f"tool_choice={value!r}: use one of {TOOL_CHOICES} or "
+            "{'type': 'function', 'function': {'name': <a tool's name>}}",
+            "tool_choice",
+        )
+    if name not in names:
+        raise RequestError(
+            f"tool_choice names function {name!r}, which is not in tools ({names})",
+            "tool_choice",
+        )
+    return "function", name
+
+
 def _flag(body: Mapping[str, Any], key: str) -> bool:
     value = body.get(key) or False
     if not isinstance(value, bool):
@@ -264,23 +292,21 @@ def parse_chat_request(body: Any, known: ChatRequest | None = None) -> ChatReque
     tools = body.get("tools") or []
     if not isinstance(tools, list):
         raise RequestError("tools must be a list of function tools", "tools")
-    choice = body.get("tool_choice") or "auto"
-    if choice not in TOOL_CHOICES:
-        raise RequestError(
-            f"tool_choice={choice!r} is not supported; use 'auto' or 'none' (a forced "
-            "call needs guided decoding, which the engine does not offer)",
-            "tool_choice",
-        )
-    top = body.get("top_logprobs")
-    if top not in (None, 0):
-        raise RequestError(
-            f"top_logprobs={top!r} is not supported: the engine returns only the sampled "
-            "token's logprob (logprobs=true); leave it out or send 0",
-            "top_logprobs",
-        )
+    checked_tools = tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(tools))
+    choice, name = _tool_choice(body.get("tool_choice"), checked_tools)
     logprobs = body.get("logprobs", False)
     if not isinstance(logprobs, bool):
         raise RequestError(f"logprobs must be true or false, got {logprobs!r}", "logprobs")
+    sampling = _sampling(body)
+    if body.get("top_logprobs") is not None:
+        sampling["top_logprobs"] = _number(body, "top_logprobs", 0, 20, integer=True)
+        if sampling["top_logprobs"] and not logprobs:
+            raise RequestError("top_logprobs needs logprobs=true; send both", "top_logprobs")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise RequestError(
+            f"parallel_tool_calls must be true or false, got {parallel!r}", "parallel_tool_calls"
+        )
     stream, options = body.get("stream") or False, body.get("stream_options") or {}
     if not isinstance(stream, bool):
         raise RequestError(f"stream must be true or false, got {stream!r}", "stream")
@@ -288,9 +314,11 @@ def parse_chat_request(body: Any, known: ChatRequest | None = None) -> ChatReque
         raise RequestError("stream_options must be an object", "stream_options")
     return ChatRequest(
         messages=checked,
-        tools=tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(tools)),
+        tools=checked_tools,
         tool_choice=choice,
-        sampling=_sampling(body),
+        tool_name=name,
+        parallel_tool_calls=parallel,
+        sampling=sampling,
         logprobs=logprobs,
         return_token_ids=_flag(body, "return_token_ids"),
         stream=stream,

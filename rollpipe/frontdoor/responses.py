@@ -1,4 +1,5 @@
-"""The JSON the front door answers with: OpenAI's ``chat.completion`` and model list."""
+"""The JSON the front door answers with: OpenAI's ``chat.completion``, the pieces of its
+streamed chunks, and the model list."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 from rollpipe.agent.actions import AssistantAction
 from rollpipe.engines.records import Generation
 
-__all__ = ["completion_body", "models_body", "stream_chunks"]
+__all__ = ["completion_body", "delta_of", "logprobs_body", "models_body"]
 
 
 def models_body(name: str) -> dict[str, Any]:
@@ -18,16 +19,19 @@ def models_body(name: str) -> dict[str, Any]:
     return {"object": "list", "data": [model]}
 
 
-def _logprobs(tokenizer: Any, gen: Generation) -> dict[str, Any]:
+def _entry(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]:
+    text = str(tokenizer.decode([token_id], skip_special_tokens=False))
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def logprobs_body(tokenizer: Any, gen: Generation) -> dict[str, Any]:
+    """OpenAI's ``logprobs.content``: each sampled token, with its ``top_logprobs`` when
+    the request asked for them."""
+    tops = gen.top_logprobs or ((),) * len(gen.token_ids)
     content = []
-    for token_id, logprob in zip(gen.token_ids, gen.logprobs, strict=False):
-        text = str(tokenizer.decode([token_id], skip_special_tokens=False))
-        entry = {
-            "token": text,
-            "logprob": logprob,
-            "bytes": list(text.encode()),
-            "top_logprobs": [],
-        }
+    for token_id, logprob, top in zip(gen.token_ids, gen.logprobs, tops, strict=False):
+        entry = _entry(tokenizer, token_id, logprob)
+        entry["top_logprobs"] = [_entry(tokenizer, t, lp) for t, lp in top]
         content.append(entry)
     return {"content": content}
 
@@ -61,7 +65,7 @@ def completion_body(
         "index": 0,
         "message": out_message,
         "finish_reason": finish,
-        "logprobs": _logprobs(tokenizer, gen) if logprobs else None,
+        "logprobs": logprobs_body(tokenizer, gen) if logprobs else None,
     }
     if prompt_ids is not None:
         choice["token_ids"] = list(gen.token_ids)
@@ -84,20 +88,14 @@ def completion_body(
     return body
 
 
-def stream_chunks(body: Mapping[str, Any], include_usage: bool) -> list[dict[str, Any]]:
-    """A completion as ``chat.completion.chunk``s: the message in one delta (tool calls
-    with their ``index``), then the finish reason, then usage if asked."""
-    choice = body["choices"][0]
-    message = choice["message"]
-    delta: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
-    if message.get("tool_calls"):
-        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
-    if message.get("reasoning_content") is not None:
-        delta["reasoning_content"] = message["reasoning_content"]
-    head = {k: body[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
-    first = {"index": 0, "delta": delta, "logprobs": choice["logprobs"], "finish_reason": None}
-    last = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}
-    chunks = [{**head, "choices": [first]}, {**head, "choices": [last]}]
-    if include_usage:
-        chunks.append({**head, "choices": [], "usage": body["usage"]})
-    return chunks
+def delta_of(message: Any) -> dict[str, Any]:
+    """vLLM's streaming ``DeltaMessage`` as an OpenAI chunk ``delta`` (its ``reasoning``
+    as ``reasoning_content``, as in a whole answer; empty fields left out)."""
+    delta: dict[str, Any] = {}
+    if message.content:
+        delta["content"] = message.content
+    if message.reasoning:
+        delta["reasoning_content"] = message.reasoning
+    if message.tool_calls:
+        delta["tool_calls"] = [c.model_dump(exclude_none=True) for c in message.tool_calls]
+    return delta

@@ -34,12 +34,15 @@ from rollpipe.agent.chat import ChatFormat
 from rollpipe.agent.episode import EpisodeSettings, generate_turn
 from rollpipe.agent.generation_timeout import GenerationTimeoutError
 from rollpipe.agent.records import EpisodeSpec, Trajectory
-from rollpipe.engines.protocol import Engine
+from rollpipe.engines.protocol import Engine, engine_supports
 from rollpipe.engines.records import EngineError, SamplingParams
+from rollpipe.frontdoor.chunks import parser_class
+from rollpipe.frontdoor.forced import forced_schema
 from rollpipe.frontdoor.requests import ChatRequest, RequestError, parse_chat_request
-from rollpipe.frontdoor.responses import completion_body, models_body, stream_chunks
-from rollpipe.frontdoor.session import AgentSession
+from rollpipe.frontdoor.responses import completion_body, models_body
+from rollpipe.frontdoor.session import AgentSession, Prompt
 from rollpipe.frontdoor.stops import cut_at_stop
+from rollpipe.frontdoor.streaming import StreamedAnswer, engine_failed
 
 __all__ = ["FrontDoor", "SessionTimeoutError"]
 
@@ -55,15 +58,7 @@ def _error(error: RequestError) -> web.Response:
     return web.json_response(error.body(), status=error.status)
 
 
-async def _stream(request: web.Request, chunks: list[dict[str, Any]]) -> web.StreamResponse:
-    """``chunks`` as server-sent events, then ``data: [DONE]``."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await response.prepare(request)
-    for chunk in chunks:
-        await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
+_UNSET = object()
 
 
 class FrontDoor:
@@ -105,6 +100,7 @@ class FrontDoor:
         self._ids = itertools.count()
         self._runner: web.AppRunner | None = None
         self._scope = engine.runtime.scope("FrontDoor")
+        self._parser_cls: Any = _UNSET  # vLLM's streaming parser class, built when first used
 
     # -- lifecycle (on the loop) ------------------------------------------------------
     @property
@@ -256,29 +252,36 @@ class FrontDoor:
             session.in_flight.add(task)
             try:
                 async with session.lock:
-                    body = await self._complete(session, parsed)
+                    prompt, params = self._prepare(session, parsed)
+                    if parsed.stream:
+                        return await self._streamed(request, session, parsed, prompt, params)
+                    return web.json_response(await self._complete(session, parsed, prompt, params))
             finally:
                 session.in_flight.discard(task)
         except RequestError as error:
             return _error(error)
-        if not parsed.stream:
-            return web.json_response(body)
-        return await _stream(request, stream_chunks(body, parsed.include_usage))
 
-    async def _complete(self, session: AgentSession, request: ChatRequest) -> dict[str, Any]:
+    def _prepare(
+        self, session: AgentSession, request: ChatRequest
+    ) -> tuple[Prompt, SamplingParams]:
+        """The call's engine prompt and sampling; ``RequestError`` before anything is sent."""
         if session.finished:  # it ended while this request waited for the lock
             raise RequestError("the session finished", None, 401, "authentication_error")
-        s = self.settings
         prompt = session.prompt_for(request)
-        budget = s.max_length - len(prompt.ids)
+        budget = self.settings.max_length - len(prompt.ids)
         if budget < 1:
             raise RequestError(
-                f"the prompt has {len(prompt.ids)} tokens, max_length is {s.max_length}: "
-                "shorten the messages",
+                f"the prompt has {len(prompt.ids)} tokens, max_length is "
+                f"{self.settings.max_length}: shorten the messages",
                 "messages",
                 code="context_length_exceeded",
             )
-        params = self._params(session, request, budget)
+        return prompt, self._params(session, request, budget)
+
+    async def _complete(
+        self, session: AgentSession, request: ChatRequest, prompt: Prompt, params: SamplingParams
+    ) -> dict[str, Any]:
+        s = self.settings
         try:
             gen = await generate_turn(
                 self.engine,
@@ -291,14 +294,11 @@ class FrontDoor:
                 s.generation_timeout_s,
             )
         except (GenerationTimeoutError, EngineError) as exc:
-            session.failure = exc
-            raise RequestError(
-                f"the engine did not answer: {exc!r}", None, 500, "server_error"
-            ) from exc
+            raise engine_failed(session, exc) from exc
         gen, text = cut_at_stop(gen, request.stop, self.chat.decode_for_parsing)
         action, message = session.record(request, prompt, gen, text)
         return completion_body(
-            completion_id=f"chatcmpl-{session.spec.episode_id}-{session.calls - 1}",
+            completion_id=self._completion_id(session),
             model=self.model_name,
             message=message,
             action=action,
@@ -308,6 +308,42 @@ class FrontDoor:
             logprobs=request.logprobs,
             prompt_ids=list(prompt.ids) if request.return_token_ids else None,
         )
+
+    def _completion_id(self, session: AgentSession) -> str:
+        return f"chatcmpl-{session.spec.episode_id}-{session.calls}"
+
+    async def _streamed(
+        self,
+        http: web.Request,
+        session: AgentSession,
+        request: ChatRequest,
+        prompt: Prompt,
+        params: SamplingParams,
+    ) -> web.StreamResponse:
+        if self._parser_cls is _UNSET:
+            chat = self.chat
+            self._parser_cls = parser_class(chat.tokenizer, chat.tool_parser, chat.reasoning_parser)
+        answer = StreamedAnswer(
+            self.engine, self.chat, self.settings, session, request, self._parser_cls
+        )
+        head = {"id": self._completion_id(session), "model": self.model_name}
+        return await answer.send(http, head, prompt, params)
+
+    def _check_engine(self, request: ChatRequest) -> None:
+        """A 400 for what the request needs and the engine cannot do (its ``supports``)."""
+        needs = []
+        if request.sampling.get("top_logprobs"):
+            needs.append(("top_logprobs", request.sampling["top_logprobs"], "top_logprobs"))
+        if request.tool_choice in ("required", "function"):
+            choice = request.tool_name or request.tool_choice
+            needs.append(("tool_choice", choice, "json_schema (structured outputs)"))
+        for param, value, feature in needs:
+            if not engine_supports(self.engine, feature.split()[0]):
+                raise RequestError(
+                    f"{param}={value!r}: this server's engine ({type(self.engine).__name__}) "
+                    f"does not support {feature}; use a vLLM engine, or leave {param} out",
+                    param,
+                )
 
     def _params(self, session: AgentSession, request: ChatRequest, budget: int) -> SamplingParams:
         base = self.settings.sampling
@@ -319,6 +355,11 @@ class FrontDoor:
             stop = (*stop, eot)
         spec = session.spec
         seed = wanted.pop("seed", derive_seed(spec.seed, spec.episode_id, session.calls))
+        self._check_engine(request)
+        if request.tool_choice in ("required", "function"):
+            wanted["json_schema"] = forced_schema(
+                request.tools, request.tool_choice, request.tool_name, request.parallel_tool_calls
+            )
         try:
             return base.replace(
                 **wanted, max_tokens=max_tokens, seed=seed, stop_token_ids=stop, logprobs=True

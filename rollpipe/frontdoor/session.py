@@ -33,6 +33,7 @@ from rollpipe.agent.tools import tool_set
 from rollpipe.engines.inputs import CheckedIds
 from rollpipe.engines.records import Generation
 from rollpipe.engines.routing import Session
+from rollpipe.frontdoor.forced import forced_action
 from rollpipe.frontdoor.requests import ChatRequest, RequestError, normalise_message
 
 __all__ = ["AgentSession", "Prompt"]
@@ -134,10 +135,16 @@ class AgentSession:
 
     # -- recording ----------------------------------------------------------------------
     def record(
-        self, request: ChatRequest, prompt: Prompt, gen: Generation, text: str | None = None
+        self,
+        request: ChatRequest,
+        prompt: Prompt,
+        gen: Generation,
+        text: str | None = None,
+        shown: Mapping[str, Any] | None = None,
     ) -> tuple[AssistantAction, dict[str, Any]]:
         """Add the call to the session; the parsed response and its assistant message.
-        ``text``: the response's text when not its ids' (cut before a stop string)."""
+        ``text``: the response's text when not its ids' (cut before a stop string).
+        ``shown``: the message the client got when not the parsed one (streamed)."""
         if prompt.new_row or self._dialog is None:
             self._tools = request.tools
             self.rows.append([])
@@ -147,11 +154,13 @@ class AgentSession:
         # same objects let the next call's prefix check compare them by identity
         if text is None:
             text = self.chat.decode_for_parsing(gen.token_ids)
-        if request.tool_choice == "none" or dialog.parser is None:
+        if request.tool_choice in ("required", "function"):
+            action = forced_action(text, request.tool_choice, request.tool_name, self.calls)
+        elif request.tool_choice == "none" or dialog.parser is None:
             action = AssistantAction.plain(text)
         else:
             action = dialog.parser.parse(text, self.calls)
-        dialog.messages.append(action.message())
+        dialog.messages.append(action.message() if shown is None else dict(shown))
         message = normalise_message(dialog.messages[-1], "response")
         dialog.messages[-1] = message
         n = len(gen.token_ids)

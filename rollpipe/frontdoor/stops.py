@@ -50,5 +50,6 @@ def cut_at_stop(
         logprobs=gen.logprobs[:low],
         finish_reason="stop",
         versions=gen.versions[:low],
+        top_logprobs=gen.top_logprobs[:low],
     )
     return cut, text[:at]

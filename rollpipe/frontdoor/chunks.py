@@ -1,0 +1,188 @@
+"""ChunkStream: a call's answer as ``chat.completion.chunk`` deltas, as the ids arrive.
+
+The text is split with vLLM's own streaming parser (``vllm.parser``'s ``Parser.parse_delta``,
+the one ``vllm serve`` streams with): content, reasoning and tool-call deltas, tool calls
+under the ids rollpipe gives them (``call_{turn}_{index}``, as in a whole answer). What
+the deltas add up to is the message the session records, so an agent that rebuilds the
+message from the stream sends back exactly the conversation the session holds.
+
+Text is held back while it could still be cut: an incomplete UTF-8 character, and the
+last ``len(stop) - 1`` characters when the request has ``stop`` strings; once a stop
+string appears, nothing more is sent until the answer is cut (``finish``). Logprobs and
+token ids come with the last chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from rollpipe.agent.parsers import call_id
+from rollpipe.frontdoor.requests import ChatRequest
+from rollpipe.frontdoor.responses import delta_of
+
+__all__ = ["ChunkStream", "StreamBroken", "parser_class"]
+
+
+class StreamBroken(RuntimeError):
+    """The answer does not extend what was already streamed (the request was re-sent
+    from its start, as an engine pool does when a rank leaves)."""
+
+
+def parser_class(tokenizer: Any, tool_parser: str | None, reasoning_parser: str | None) -> Any:
+    """vLLM's composed streaming parser class for these parser names (None: none set)."""
+    from vllm.parser.parser_manager import ParserManager
+
+    return ParserManager.get_parser(
+        tool_parser_name=tool_parser,
+        reasoning_parser_name=reasoning_parser,
+        enable_auto_tools=True,
+        tokenizer=tokenizer,
+    )
+
+
+def _vllm_request(request: ChatRequest) -> Any:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    choice: Any = request.tool_choice
+    if choice == "function":
+        choice = {"type": "function", "function": {"name": request.tool_name}}
+    make: Any = ChatCompletionRequest  # pydantic: the tool dicts are validated into models
+    return make(
+        messages=[],
+        model="rollpipe",
+        tools=[dict(t) for t in request.tools] or None,
+        tool_choice=choice if request.tools else None,
+        parallel_tool_calls=request.parallel_tool_calls,
+        include_reasoning=True,
+    )
+
+
+class ChunkStream:
+    """The deltas of one streamed answer (see the module doc).
+
+    Args:
+        head: the chunk fields every chunk repeats (``id``, ``created``, ``model``).
+        request: the call; ``decode`` turns ids into text as the session parses it.
+        parser_cls: from :func:`parser_class`, or None (then content only).
+        prompt_ids: the prompt (the reasoning parser reads whether it ends in reasoning).
+        turn: the session's call number (the tool-call ids).
+    """
+
+    def __init__(
+        self,
+        head: dict[str, Any],
+        request: ChatRequest,
+        decode: Callable[[list[int]], str],
+        tokenizer: Any,
+        parser_cls: Any,
+        prompt_ids: list[int],
+        turn: int,
+    ) -> None:
+        self.head = {**head, "object": "chat.completion.chunk"}
+        self.request, self.decode, self.turn = request, decode, turn
+        self.prompt_ids = prompt_ids
+        self.ids: list[int] = []
+        self.fed = 0  # ids given to the parser so far
+        self.text = ""  # text given to the parser so far
+        self.hold = max((len(s) for s in request.stop), default=1) - 1
+        forced = request.tool_choice in ("required", "function")
+        self.vllm_request: Any = None
+        self.parser: Any = None
+        if parser_cls is not None and request.tool_choice != "none":
+            self.vllm_request = _vllm_request(request)
+            self.parser = parser_cls(tokenizer, self.vllm_request.tools)
+        self.whole = forced and self.parser is None  # no streaming parser: calls at the end
+        self.content, self.reasoning = "", ""
+        self.calls: dict[int, dict[str, Any]] = {}
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> Any:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {**self.head, "choices": [choice | extra]}
+
+    def first(self) -> dict[str, Any]:
+        """The opening chunk: the assistant's role, no text yet."""
+        return self._chunk({"role": "assistant", "content": ""})  # type: ignore[no-any-return]
+
+    def feed(self, ids: list[int]) -> list[dict[str, Any]]:
+        """Chunks for the text ``ids`` complete (maybe none yet)."""
+        self.ids.extend(ids)
+        if self.whole:
+            return []
+        text = self.decode(self.ids)
+        if any(s in text for s in self.request.stop):
+            return []  # cut in finish()
+        safe = text.rstrip("\ufffd")
+        safe = safe[: len(safe) - self.hold] if self.hold else safe
+        if len(safe) <= len(self.text) or not safe.startswith(self.text):
+            return []
+        return self._parsed(safe, finished=False)
+
+    def finish(self, token_ids: list[int], text: str) -> list[dict[str, Any]]:
+        """Chunks for the rest of the answer: ``token_ids`` (cut where a stop string
+        ends) and their ``text``; ``StreamBroken`` if they do not extend what was sent."""
+        if self.ids[: len(token_ids)] != token_ids or not text.startswith(self.text):
+            raise StreamBroken(
+                "the engine's answer does not continue the tokens already streamed (the "
+                "request was sent again from its start); the call failed"
+            )
+        self.ids = list(token_ids)
+        return self._parsed(text, finished=True)
+
+    def _parsed(self, text: str, finished: bool) -> list[dict[str, Any]]:
+        delta_text, new_ids = text[len(self.text) :], self.ids[self.fed :]
+        self.text, self.fed = text, len(self.ids)
+        if self.parser is None:
+            delta = {"content": delta_text} if delta_text else {}
+        else:
+            message = self.parser.parse_delta(
+                delta_text, new_ids, self.vllm_request, self.prompt_ids, finished=finished
+            )
+            delta = self._named(delta_of(message)) if message is not None else {}
+        self._add(delta)
+        return [self._chunk(delta)] if delta else []
+
+    def _named(self, delta: dict[str, Any]) -> dict[str, Any]:
+        for call in delta.get("tool_calls", ()):
+            if call.get("id") is not None:
+                call["id"] = call_id(self.turn, call["index"])
+        return delta
+
+    def _add(self, delta: dict[str, Any]) -> None:
+        self.content += delta.get("content") or ""
+        self.reasoning += delta.get("reasoning_content") or ""
+        for call in delta.get("tool_calls", ()):
+            known = self.calls.setdefault(call["index"], {"name": "", "arguments": ""})
+            fn = call.get("function") or {}
+            known["id"] = known.get("id") or call.get("id")
+            known["name"] += fn.get("name") or ""
+            known["arguments"] += fn.get("arguments") or ""
+
+    def whole_calls(self, message: dict[str, Any]) -> list[dict[str, Any]]:
+        """For a forced call with no streaming parser: the calls of the recorded
+        ``message`` in one delta (their text was never streamed)."""
+        calls = [{"index": i, **c} for i, c in enumerate(message.get("tool_calls") or ())]
+        return [self._chunk({"tool_calls": calls})] if calls else []
+
+    def message(self) -> dict[str, Any]:
+        """The assistant message the deltas sent add up to."""
+        out: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.calls:
+            out["tool_calls"] = [
+                {
+                    "id": c.get("id") or call_id(self.turn, i),
+                    "type": "function",
+                    "function": {"name": c["name"], "arguments": c["arguments"]},
+                }
+                for i, c in sorted(self.calls.items())
+            ]
+        if self.reasoning:
+            out["reasoning_content"] = self.reasoning
+        return out
+
+    def last(self, finish: str, logprobs: Any, token_ids: list[int] | None) -> dict[str, Any]:
+        """The closing chunk: the finish reason, and the logprobs and token ids if asked."""
+        extra: dict[str, Any] = {"logprobs": logprobs}
+        if token_ids is not None:
+            extra["token_ids"] = token_ids
+        return self._chunk({}, finish, **extra)  # type: ignore[no-any-return]

@@ -1,0 +1,134 @@
+"""StreamedAnswer: one ``stream=true`` call, sent as server-sent events while it generates.
+
+The engine hands each piece of the answer's ids to ``on_tokens`` on its own loop; they
+cross to the front door's loop through ``Runtime.call_soon`` (the one bridge) into a
+queue, and :class:`~rollpipe.frontdoor.chunks.ChunkStream` turns them into chunks. The
+call is recorded once the answer is whole, with the message the chunks add up to. A
+failure after the first event (engine error, time limit, a re-sent request) ends the
+stream with an OpenAI ``error`` event, which the ``openai`` client raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from aiohttp import web
+
+from rollpipe.agent.chat import ChatFormat
+from rollpipe.agent.episode import EpisodeSettings
+from rollpipe.agent.generation_timeout import GenerationTimeoutError
+from rollpipe.engines.protocol import Engine
+from rollpipe.engines.records import EngineError, Generation, SamplingParams
+from rollpipe.frontdoor.chunks import ChunkStream, StreamBroken
+from rollpipe.frontdoor.requests import ChatRequest, RequestError
+from rollpipe.frontdoor.responses import logprobs_body
+from rollpipe.frontdoor.session import AgentSession, Prompt
+from rollpipe.frontdoor.stops import cut_at_stop
+from rollpipe.frontdoor.streamed_turn import streamed_turn
+
+__all__ = ["StreamedAnswer", "engine_failed"]
+
+
+def engine_failed(session: AgentSession, exc: BaseException) -> RequestError:
+    """The session's failure (its trajectory ends errored) and the 500 the call gets."""
+    session.failure = exc
+    return RequestError(f"the engine did not answer: {exc!r}", None, 500, "server_error")
+
+
+async def _send(response: web.StreamResponse, chunks: list[dict[str, Any]]) -> None:
+    for chunk in chunks:
+        await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+
+
+class StreamedAnswer:
+    """One streamed call of ``session`` (see the module doc)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        chat: ChatFormat,
+        settings: EpisodeSettings,
+        session: AgentSession,
+        request: ChatRequest,
+        parser_cls: Any,
+    ) -> None:
+        self.engine, self.chat, self.settings = engine, chat, settings
+        self.session, self.request, self.parser_cls = session, request, parser_cls
+
+    async def send(
+        self, http: web.Request, head: dict[str, Any], prompt: Prompt, params: SamplingParams
+    ) -> web.StreamResponse:
+        """Generate with ``params`` from ``prompt``, streaming; the finished response."""
+        chat, request = self.chat, self.request
+        chunks = ChunkStream(
+            head | {"created": int(time.time())},
+            request,
+            chat.decode_for_parsing,
+            chat.tokenizer,
+            self.parser_cls,
+            list(prompt.ids),
+            self.session.calls,
+        )
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(http)
+        await _send(response, [chunks.first()])
+        try:
+            gen, text, rest = await self._generate(response, chunks, prompt, params)
+        except (GenerationTimeoutError, EngineError, StreamBroken) as exc:
+            await _send(response, [engine_failed(self.session, exc).body()])
+            await response.write_eof()
+            return response
+        shown = None if chunks.whole else chunks.message()
+        _, message = self.session.record(request, prompt, gen, text, shown=shown)
+        if chunks.whole:
+            rest += chunks.whole_calls(message)
+        finish = "tool_calls" if message.get("tool_calls") else gen.finish_reason
+        logprobs = logprobs_body(chat.tokenizer, gen) if request.logprobs else None
+        ids = list(gen.token_ids) if request.return_token_ids else None
+        rest.append(chunks.last(finish, logprobs, ids))
+        if request.include_usage:
+            n, m = len(prompt.ids), len(gen.token_ids)
+            usage = {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+            rest.append({**chunks.head, "choices": [], "usage": usage})
+        await _send(response, rest)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _generate(
+        self,
+        response: web.StreamResponse,
+        chunks: ChunkStream,
+        prompt: Prompt,
+        params: SamplingParams,
+    ) -> tuple[Generation, str, list[dict[str, Any]]]:
+        """The answer (cut at a stop string), its text, and the chunks still to send."""
+        s, session = self.settings, self.session
+        runtime, arrived = self.engine.runtime, asyncio.Queue[list[int] | None]()
+        turn = asyncio.ensure_future(
+            streamed_turn(
+                self.engine,
+                prompt.ids,
+                params,
+                lambda ids: runtime.call_soon(arrived.put_nowait, list(ids)),
+                admit=session.admit,
+                max_aborts=s.max_aborts,
+                clock=session.clock,
+                session=session.route,
+                limit=s.generation_timeout_s,
+            )
+        )
+        turn.add_done_callback(lambda _: runtime.call_soon(arrived.put_nowait, None))
+        try:
+            while (ids := await arrived.get()) is not None:
+                await _send(response, chunks.feed(ids))
+            gen = turn.result()
+        finally:
+            turn.cancel()  # the client went away, or the session ended: abort it
+        decode = self.chat.decode_for_parsing
+        gen, cut = cut_at_stop(gen, self.request.stop, decode)
+        text = decode(list(gen.token_ids)) if cut is None else cut
+        return gen, text, chunks.finish(list(gen.token_ids), text)
