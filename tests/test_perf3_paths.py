@@ -17,7 +17,7 @@ from rollpipe.agent.chat import ChatFormat
 from rollpipe.agent.engine_request import generate_turn
 from rollpipe.agent.env_caller import Clock
 from rollpipe.agent.env_returns import EnvReturnError, check_step
-from rollpipe.agent.episode import EpisodeSettings, run_episode
+from rollpipe.agent.episode import EpisodeSettings, _episode_sampling, run_episode
 from rollpipe.agent.records import EpisodeSpec, Group, Trajectory, Turn
 from rollpipe.engines import SamplingParams, ScriptedEngine
 from rollpipe.engines.routing import Session, current_session
@@ -235,3 +235,24 @@ def test_a_turn_packs_its_ids_whatever_prompt_array_it_gets(prompt, response, gi
     if given_as == "writable" and prompt:
         packed[0] += 1  # the caller's array changes; the turn's ids do not
         assert turn.prompt_array.tolist() == prompt
+
+
+@given(
+    stops=st.lists(st.integers(0, 9), max_size=3),
+    eot=st.none() | st.integers(0, 9),
+    ignore_eos=st.booleans(),
+)
+def test_an_episodes_sampling_is_made_once_and_is_what_replace_gives(
+    stops, eot, ignore_eos
+) -> None:
+    base = SamplingParams(max_tokens=5, stop_token_ids=stops, ignore_eos=ignore_eos)
+    expected = list(stops) if eot is None or eot in stops or ignore_eos else [*stops, eot]
+    first = _episode_sampling(base, eot)
+    assert first == base.replace(stop_token_ids=expected)
+    assert _episode_sampling(base, eot) is first  # cached for the run
+    twin = SamplingParams(max_tokens=5, stop_token_ids=stops, ignore_eos=ignore_eos)
+    assert _episode_sampling(twin, eot) == first  # another settings object: its own entry
+    other = 10 if eot is None else None
+    assert _episode_sampling(base, other) == base.replace(
+        stop_token_ids=list(stops) if other is None or ignore_eos else [*stops, 10]
+    )
