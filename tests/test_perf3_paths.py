@@ -256,3 +256,19 @@ def test_an_episodes_sampling_is_made_once_and_is_what_replace_gives(
     assert _episode_sampling(base, other) == base.replace(
         stop_token_ids=list(stops) if other is None or ignore_eos else [*stops, 10]
     )
+
+
+@attrs.define  # eq without hash: an unhashable callable
+class _UnhashableStep:
+    reward: float
+
+    def __call__(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        return "x", self.reward, False, False, {}
+
+
+def test_an_env_method_that_cannot_be_hashed_is_called(tokenizer) -> None:
+    env = _Steps()
+    env.step = _UnhashableStep(3.0)  # type: ignore[method-assign]
+    with ScriptedEngine(_answer) as engine:
+        t = _run(engine, env, tokenizer, 2)
+    assert [u.reward for u in t.turns] == [3.0, 3.0] and t.end_reason == "max_turns"

@@ -56,7 +56,8 @@ class EnvCaller:
         self.env, self.spec, self.threads, self.timeout = env, spec, threads, timeout
         self.lease, self.clock = lease, clock
         self.inline = not force_threads and not is_blocking(env)
-        self._awaitable: dict[Any, bool] = {}  # each env method: a coroutine function?
+        # each env method (by id, held so the id is not reused): a coroutine function?
+        self._awaitable: dict[int, tuple[Any, bool]] = {}
 
     def episode(self, turn: int) -> str:
         spec = self.spec
@@ -71,9 +72,10 @@ class EnvCaller:
     ) -> T:
         fn = getattr(self.env, name)
         func = getattr(fn, "__func__", fn)  # a method's function: the same every turn
-        awaitable = self._awaitable.get(func)
-        if awaitable is None:
-            awaitable = self._awaitable[func] = inspect.iscoroutinefunction(fn)
+        known = self._awaitable.get(id(func))
+        if known is None or known[0] is not func:
+            known = self._awaitable[id(func)] = (func, inspect.iscoroutinefunction(fn))
+        awaitable = known[1]
         if kwargs:  # reset(seed, row=...) of a dataset's group
             fn = functools.partial(fn, **kwargs)
         start = time.perf_counter()
