@@ -11,6 +11,13 @@ side by side in one run:
 * ``agent_vs_text_trajectories_ratio``: trajectories/s of a 3-call agent episode
   (``AgentEnv``) ÷ the same three turns as a text env, through ``RolloutPipeline``.
 
+Streaming, on the same engine at concurrency 1, ``STREAM_TOKENS`` tokens a call:
+
+* ``stream_first_chunk_ms``: median time from sending a ``stream=true`` call to its
+  first content chunk; ``stream_whole_ms`` the same call to its last chunk, and
+  ``unstreamed_ms`` the same call without ``stream`` (side by side).
+  ``stream_first_over_unstreamed``: how much sooner an agent sees text when it streams.
+
 With a zero-latency ``ScriptedEngine`` (the engine costs nothing, so only the front door
 is measured; issue 28's per-request cost):
 
@@ -38,6 +45,7 @@ from rollpipe.frontdoor import AgentEnv, FrontDoor
 from rollpipe.pipeline import PipelineConfig, RolloutPipeline
 
 MAX_TOKENS = 16
+STREAM_TOKENS = 64
 CONCURRENCY = 32
 QUESTION = "What is 2 + 3?"
 TURNS = 3
@@ -127,6 +135,37 @@ def _calls(ctx: BenchContext, n: int) -> dict[str, float]:
                 elapsed = time.perf_counter() - start
                 out[f"{name}_{concurrency}_calls_per_s"] = n / elapsed
                 out[f"{name}_{concurrency}_latency_ms"] = 1e3 * statistics.median(latencies)
+    return out
+
+
+def _streaming(ctx: BenchContext, n: int) -> dict[str, float]:
+    import openai
+
+    settings = EpisodeSettings(system_prompt=None, sampling={"max_tokens": STREAM_TOKENS})
+    messages = [{"role": "user", "content": QUESTION}]
+    times: dict[str, list[float]] = {"first": [], "whole": [], "unstreamed": []}
+    with FrontDoor(ctx.engine, settings.chat_format(ctx.tokenizer), settings) as door:
+        key = door.open_session().key
+
+        async def calls() -> None:
+            async with openai.AsyncOpenAI(base_url=door.url, api_key=key, max_retries=0) as c:
+                ask = {"model": "m", "messages": messages, "extra_body": {"ignore_eos": True}}
+                for _ in range(n):
+                    start = time.perf_counter()
+                    stream = await c.chat.completions.create(stream=True, **ask)
+                    first = None
+                    async for chunk in stream:
+                        if first is None and chunk.choices and chunk.choices[0].delta.content:
+                            first = time.perf_counter() - start
+                    times["whole"].append(time.perf_counter() - start)
+                    times["first"].append(first if first is not None else times["whole"][-1])
+                    start = time.perf_counter()
+                    await c.chat.completions.create(**ask)
+                    times["unstreamed"].append(time.perf_counter() - start)
+
+        ctx.engine.runtime.call(calls())
+    out = {f"stream_{k}_ms": 1e3 * statistics.median(v) for k, v in times.items()}
+    out["unstreamed_ms"] = out.pop("stream_unstreamed_ms")
     return out
 
 
@@ -286,6 +325,18 @@ def run(ctx: BenchContext) -> Figures:
         f"{figures['zero_latency_frontdoor_calls_per_s']} front door vs "
         f"{figures['zero_latency_direct_calls_per_s']} direct "
         f"({figures['zero_latency_calls_ratio']}x)"
+    )
+    streams = [
+        _streaming(ctx, ctx.size(smoke=2, quick=16, full=48)) for _ in range(ctx.repeats_for(3))
+    ]
+    for key in streams[0]:
+        figures[key] = rounded(median([st[key] for st in streams]), 2)
+    figures["stream_first_over_unstreamed"] = rounded(
+        median([st["stream_first_ms"] / st["unstreamed_ms"] for st in streams]), 3
+    )
+    ctx.log(
+        f"  streamed: first chunk {figures['stream_first_ms']} ms, whole "
+        f"{figures['stream_whole_ms']} ms; unstreamed {figures['unstreamed_ms']} ms"
     )
     figures["frontdoor_calls_ratio"] = rounded(median(ratios), 3)
     figures["frontdoor_added_latency_ms"] = rounded(median(added), 2)

@@ -163,6 +163,13 @@ SUMMARY = (
     ("12", "Front door added latency per call", "frontdoor_added_latency_ms", "—", "{:.1f} ms"),
     (
         "12",
+        "Streamed call: first chunk ÷ whole unstreamed call",
+        "stream_first_over_unstreamed",
+        "—",
+        "{:.2f}×",
+    ),
+    (
+        "12",
         "Agent episode ÷ text episode traj/s",
         "agent_vs_text_trajectories_ratio",
         "—",

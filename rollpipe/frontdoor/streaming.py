@@ -39,8 +39,19 @@ def engine_failed(session: AgentSession, exc: BaseException) -> RequestError:
 
 
 async def _send(response: web.StreamResponse, chunks: list[dict[str, Any]]) -> None:
-    for chunk in chunks:
-        await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+    if chunks:  # one write for all of them
+        await response.write(b"".join(b"data: %s\n\n" % json.dumps(c).encode() for c in chunks))
+
+
+def _drained(queue: asyncio.Queue[list[int] | None], ids: list[int]) -> tuple[list[int], bool]:
+    """``ids`` and every piece already waiting behind them (one chunk for all when the
+    client reads slower than the engine produces); True once the end was among them."""
+    while not queue.empty():
+        more = queue.get_nowait()
+        if more is None:
+            return ids, True
+        ids = ids + more
+    return ids, False
 
 
 class StreamedAnswer:
@@ -123,7 +134,9 @@ class StreamedAnswer:
         )
         turn.add_done_callback(lambda _: runtime.call_soon(arrived.put_nowait, None))
         try:
-            while (ids := await arrived.get()) is not None:
+            ended = False
+            while not ended and (ids := await arrived.get()) is not None:
+                ids, ended = _drained(arrived, ids)
                 await _send(response, chunks.feed(ids))
             gen = turn.result()
         finally:
