@@ -29,5 +29,5 @@ def derive_seed(*parts: int) -> int:
                 f"derive_seed part {i} must be a non-negative int, got {p!r}; "
                 "map negative or non-integer values to non-negative ints first"
             )
-    key = ",".join(str(int(p)) for p in parts).encode()
+    key = (b"%d," * len(parts))[:-1] % parts  # the decimal parts, comma-separated
     return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little") & 0x7FFFFFFF
