@@ -7,6 +7,7 @@ weights restore them before returning.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import multiprocessing
 import os
@@ -315,9 +316,12 @@ def test_close_fails_waiting_and_later_requests(tiny_model_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_multiprocess_mode(tiny_model_path: Path, hf_model: Any, prompts: list[list[int]]) -> None:
-    """AsyncLLM with its engine core in a child process: same protocol; a killed core
-    fails waiting and later requests with EngineError instead of hanging."""
+def test_multiprocess_mode(
+    tiny_model_path: Path, hf_model: Any, prompts: list[list[int]], tokenizer: Any
+) -> None:
+    """AsyncLLM with its engine core in a child process: same protocol (top logprobs,
+    structured outputs and ids as produced included); a killed core fails waiting and
+    later requests with EngineError instead of hanging."""
     params = GREEDY.replace(max_tokens=16, ignore_eos=True)
     engine = VLLMEngine(
         tiny_model_path, multiprocess=True, kv_cache_space_gib=0.25, max_model_len=512
@@ -327,6 +331,19 @@ def test_multiprocess_mode(tiny_model_path: Path, hf_model: Any, prompts: list[l
         assert children, "AsyncLLM should run its engine core in a child process"
         gens = engine.generate_batch(prompts, params)
         assert [list(g.token_ids) for g in gens] == [hf_greedy(hf_model, p, 16) for p in prompts]
+        (top,) = engine.generate_batch(prompts[:1], params.replace(top_logprobs=3))
+        assert [t[0][0] for t in top.top_logprobs] == list(top.token_ids)  # greedy: the top
+        assert all(len(t) == 3 for t in top.top_logprobs)
+        schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+        shaped = SamplingParams(max_tokens=60, json_schema=schema, seed=0)
+        (js,) = engine.generate_batch(prompts[:1], shaped)
+        if js.finish_reason == "stop":  # the integer may run past max_tokens
+            assert set(
+                json.loads(tokenizer.decode(list(js.token_ids), skip_special_tokens=True))
+            ) == {"n"}
+        pieces: list[list[int]] = []
+        whole = asyncio.run(engine.generate(prompts[0], params, on_tokens=pieces.append))
+        assert [t for p in pieces for t in p] == list(whole.token_ids) == list(gens[0].token_ids)
         model = type(hf_model).from_pretrained(str(tiny_model_path)).eval()
         model.generation_config.eos_token_id = None
         perturb(model, seed=4)

@@ -279,8 +279,12 @@ class EnginePool(EngineStateView):
             targets = check_devices(target_gpus, self._all_devices, "shrink_sampler")
             chosen, remapped, engines = self._table.take_out(targets)
             for engine in engines:
-                _offload(engine)
+                _abort(engine)
+            # the cut requests come back as aborted (with their tokens) and are re-sent
+            # before their engines close: a streamed one continues from its tokens
             aborted = self._table.wait_released(chosen, timeout=30)
+            for engine in engines:
+                engine.close()
         return {
             "aborted": aborted,
             "remapped": remapped,
@@ -361,8 +365,13 @@ class EnginePool(EngineStateView):
         self.close()
 
 
-def _offload(engine: Engine) -> None:
-    """Free a rank's engine: abort what it runs (the pool re-sends it), then close it."""
+def _abort(engine: Engine) -> None:
+    """End what a rank's engine runs as aborted (the pool re-sends it)."""
     with contextlib.suppress(EngineError):
         engine.pause("abort")
+
+
+def _offload(engine: Engine) -> None:
+    """Free a rank's engine: abort what it runs, then close it."""
+    _abort(engine)
     engine.close()
