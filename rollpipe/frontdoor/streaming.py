@@ -2,7 +2,8 @@
 
 The engine hands each piece of the answer's ids to ``on_tokens`` on its own loop; they
 cross to the front door's loop through ``Runtime.call_soon`` (the one bridge) into a
-queue, and :class:`~rollpipe.frontdoor.chunks.ChunkStream` turns them into chunks. The
+queue, and :class:`~rollpipe.frontdoor.chunks.ChunkStream` turns them into chunks. An
+abort continues the answer from those ids (``generate_turn`` with ``on_tokens``). The
 call is recorded once the answer is whole, with the message the chunks add up to. A
 failure after the first event (engine error, time limit, a re-sent request) ends the
 stream with an OpenAI ``error`` event, which the ``openai`` client raises.
@@ -18,6 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from rollpipe.agent.chat import ChatFormat
+from rollpipe.agent.engine_request import generate_turn
 from rollpipe.agent.episode import EpisodeSettings
 from rollpipe.agent.generation_timeout import GenerationTimeoutError
 from rollpipe.engines.protocol import Engine
@@ -27,7 +29,6 @@ from rollpipe.frontdoor.requests import ChatRequest, RequestError
 from rollpipe.frontdoor.responses import logprobs_body
 from rollpipe.frontdoor.session import AgentSession, Prompt
 from rollpipe.frontdoor.stops import cut_at_stop
-from rollpipe.frontdoor.streamed_turn import streamed_turn
 
 __all__ = ["StreamedAnswer", "engine_failed"]
 
@@ -120,16 +121,16 @@ class StreamedAnswer:
         s, session = self.settings, self.session
         runtime, arrived = self.engine.runtime, asyncio.Queue[list[int] | None]()
         turn = asyncio.ensure_future(
-            streamed_turn(
+            generate_turn(
                 self.engine,
                 prompt.ids,
                 params,
-                lambda ids: runtime.call_soon(arrived.put_nowait, list(ids)),
-                admit=session.admit,
-                max_aborts=s.max_aborts,
-                clock=session.clock,
-                session=session.route,
-                limit=s.generation_timeout_s,
+                session.admit,
+                s.max_aborts,
+                session.clock,
+                session.route,
+                s.generation_timeout_s,
+                on_tokens=lambda ids: runtime.call_soon(arrived.put_nowait, list(ids)),
             )
         )
         turn.add_done_callback(lambda _: runtime.call_soon(arrived.put_nowait, None))
