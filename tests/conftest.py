@@ -40,18 +40,25 @@ def tokenizer(tiny_model_path: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(tiny_model_path))
 
 
-@pytest.fixture(scope="session")
-def vllm_engine(tiny_model_path: Path) -> Iterator[Any]:
-    """One in-process VLLMEngine for the whole session (1 GiB KV cache, eager)."""
-    from rollpipe.engines.vllm import VLLMEngine  # vLLM is a test dependency: never skip
-
-    engine = VLLMEngine(tiny_model_path, kv_cache_space_gib=1, max_model_len=2048, seed=0)
+def _shared(engine: Any) -> Iterator[Any]:
+    """Yield ``engine`` as a session's shared engine (resumed after each test), then
+    close it."""
     _SHARED_ENGINES.append(engine)
     try:
         yield engine
     finally:
         _SHARED_ENGINES.remove(engine)
         engine.close()
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tiny_model_path: Path) -> Iterator[Any]:
+    """One in-process VLLMEngine for the whole session (1 GiB KV cache, eager)."""
+    from rollpipe.engines.vllm import VLLMEngine  # vLLM is a test dependency: never skip
+
+    yield from _shared(
+        VLLMEngine(tiny_model_path, kv_cache_space_gib=1, max_model_len=2048, seed=0)
+    )
 
 
 @pytest.fixture(scope="session")
@@ -61,13 +68,7 @@ def tools_vllm_engine() -> Iterator[Any]:
     from rollpipe.engines.vllm import VLLMEngine
 
     path = default_model_path(tools=True)
-    engine = VLLMEngine(path, kv_cache_space_gib=1, max_model_len=2048, seed=0)
-    _SHARED_ENGINES.append(engine)
-    try:
-        yield engine
-    finally:
-        _SHARED_ENGINES.remove(engine)
-        engine.close()
+    yield from _shared(VLLMEngine(path, kv_cache_space_gib=1, max_model_len=2048, seed=0))
 
 
 @pytest.fixture(scope="session")
@@ -75,13 +76,7 @@ def hf_engine(tiny_model_path: Path) -> Iterator[Any]:
     """One HFEngine (transformers generate, micro-batched) for the whole session."""
     from rollpipe.engines.hf import HFEngine
 
-    engine = HFEngine(tiny_model_path)
-    _SHARED_ENGINES.append(engine)
-    try:
-        yield engine
-    finally:
-        _SHARED_ENGINES.remove(engine)
-        engine.close()
+    yield from _shared(HFEngine(tiny_model_path))
 
 
 @pytest.fixture(autouse=True)
