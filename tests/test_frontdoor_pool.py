@@ -2,9 +2,9 @@
 rank (its prefix stays in that rank's KV cache), and sessions spread over the ranks.
 
 The ranks are ``ScriptedEngine``s (routing is what is tested, not the model) behind a
-real ``EnginePool``, the real front door and the real ``openai`` client. The pool is
-paused while the first calls arrive, so they are routed while all are in flight: the
-spread is decided by the router's loads, never by timing.
+real ``EnginePool``, the real front door and the real ``openai`` client. The first calls
+are held (the pool paused, or the ranks' ``GATE`` closed) until they are all routed and
+in flight: the spread is decided by the router's loads, never by timing.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from rollpipe.pipeline import RolloutPipeline
 
 SETTINGS = EpisodeSettings(max_length=1024, sampling={"max_tokens": 16})
 CALLS = 3
+GATE = threading.Event()  # the ranks answer while it is set
+GATE.set()
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +46,12 @@ def pool(tokenizer: Any) -> Iterator[EnginePool]:
     reply = tokenizer.encode("Sure.", add_special_tokens=False)
     eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
 
+    def answer(prompt: Any, params: Any) -> list[int]:
+        GATE.wait(120)  # open unless a test holds the ranks (their loops wait here)
+        return [*reply, eot]
+
     def make(rank: int) -> ScriptedEngine:
-        return ScriptedEngine(lambda prompt, params: [*reply, eot], name=f"rank-{rank}")
+        return ScriptedEngine(answer, name=f"rank-{rank}")
 
     engines = EnginePool(make, 2)
     yield engines
@@ -122,13 +128,16 @@ def test_agent_episodes_of_a_pipeline_stick_to_a_rank_and_spread(
     start = len(pool.routing_log)
     batches: list[Any] = []
     with RolloutPipeline(config, pool, tokenizer) as pipe:
-        pool.pause("keep")
+        # held at the ranks, not by pausing the pool: get_batch resumes an engine that
+        # another pipeline paused, and the zero-latency ranks would then answer each
+        # call before the next is routed
+        GATE.clear()
         fetch = threading.Thread(target=lambda: batches.append(pipe.get_batch()))
         fetch.start()
         try:
             wait_until(lambda: in_flight(pool) >= 2, 60, "two episodes' first calls routed")
         finally:
-            pool.resume()
+            GATE.set()
         fetch.join(60)
         assert not fetch.is_alive() and batches
     batch = batches[0]
