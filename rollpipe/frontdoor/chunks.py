@@ -96,13 +96,15 @@ class ChunkStream:
         self.content, self.reasoning = "", ""
         self.calls: dict[int, dict[str, Any]] = {}
 
-    def _chunk(self, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> Any:
+    def _chunk(
+        self, delta: dict[str, Any], finish: str | None = None, **extra: Any
+    ) -> dict[str, Any]:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         return {**self.head, "choices": [choice | extra]}
 
     def first(self) -> dict[str, Any]:
         """The opening chunk: the assistant's role, no text yet."""
-        return self._chunk({"role": "assistant", "content": ""})  # type: ignore[no-any-return]
+        return self._chunk({"role": "assistant", "content": ""})
 
     def feed(self, ids: list[int]) -> list[dict[str, Any]]:
         """Chunks for the text ``ids`` complete (maybe none yet)."""
@@ -185,4 +187,4 @@ class ChunkStream:
         extra: dict[str, Any] = {"logprobs": logprobs}
         if token_ids is not None:
             extra["token_ids"] = token_ids
-        return self._chunk({}, finish, **extra)  # type: ignore[no-any-return]
+        return self._chunk({}, finish, **extra)
