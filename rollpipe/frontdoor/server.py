@@ -1,14 +1,16 @@
 """FrontDoor: an OpenAI-compatible server whose every call becomes exact training ids.
 
-``/v1/models`` and ``/v1/chat/completions`` (messages, ``tools``, ``tool_choice`` auto
-or none, sampling fields, ``stop`` strings, ``n=1``, ``logprobs``), served by ``aiohttp.web`` on the
-engine's own runtime loop: no second event loop, no thread hop between a request and
-the engine. Each session has its own key (``Authorization: Bearer <key>``). A request
-with a missing, unknown or finished key gets 401 and touches nothing; a malformed one
-gets OpenAI-style error JSON (400) naming the field. Requests are rendered with the
-model's chat template (never one the client sends) and recorded by their
-:class:`~rollpipe.frontdoor.session.AgentSession`; responses carry the tool calls the
-model's own parser read. Binds ``127.0.0.1`` unless told otherwise.
+``/v1/models`` and ``/v1/chat/completions`` (messages, ``tools``, ``tool_choice`` auto,
+none, required or a named function (``forced.py``), sampling fields, ``stop`` strings,
+``n=1``, ``logprobs`` and ``top_logprobs``, ``stream`` token by token (``streaming.py``)),
+served by ``aiohttp.web`` on the engine's own runtime loop: no second event loop, no
+thread hop between a request and the engine. Each session has its own key
+(``Authorization: Bearer <key>``). A request with a missing, unknown or finished key
+gets 401 and touches nothing; a malformed one gets OpenAI-style error JSON (400) naming
+the field. Requests are rendered with the model's chat template (never one the client
+sends) and recorded by their :class:`~rollpipe.frontdoor.session.AgentSession`;
+responses carry the tool calls the model's own parser read. Binds ``127.0.0.1`` unless
+told otherwise.
 
 Examples:
     >>> # with VLLMEngine(path) as engine, FrontDoor(engine, tokenizer, settings) as door:
