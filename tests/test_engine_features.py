@@ -1,5 +1,5 @@
-"""What an engine may do beyond plain sampling: ``top_logprobs``, ``json_schema``
-(structured outputs) and ``on_tokens`` (ids as they are produced), on the real vLLM and
+"""What an engine may do beyond plain sampling: ``top_logprobs``, ``structured_outputs``
+and ``on_tokens`` (ids as they are produced), on the real vLLM and
 transformers engines; an engine that cannot do one says so, naming the field."""
 
 from __future__ import annotations
@@ -48,8 +48,11 @@ def test_greedy_top_logprobs_start_with_the_sampled_token(
         assert top[0][0] == token and top[0][1] == pytest.approx(logprob, abs=1e-4)  # greedy
 
 
-def test_vllm_json_schema_gives_json_matching_the_schema(vllm_engine: Any, tokenizer: Any) -> None:
-    params = [SamplingParams(max_tokens=120, json_schema=SCHEMA, seed=s) for s in range(4)]
+def test_vllm_structured_outputs_give_json_matching_the_schema(
+    vllm_engine: Any, tokenizer: Any
+) -> None:
+    shaped = {"json": SCHEMA}
+    params = [SamplingParams(max_tokens=120, structured_outputs=shaped, seed=s) for s in range(4)]
     for p in params:
         (gen,) = vllm_engine.generate_batch([PROMPT], p)
         if gen.finish_reason == "stop":  # a sampled value may run past max_tokens
@@ -81,8 +84,8 @@ def test_an_engine_that_answers_at_once_calls_on_tokens_once(
 @pytest.mark.parametrize(
     ("kind", "field", "params"),
     [
-        ("hf_engine", "json_schema", SamplingParams(json_schema=SCHEMA)),
-        ("scripted", "json_schema", SamplingParams(json_schema=SCHEMA)),
+        ("hf_engine", "structured_outputs", SamplingParams(structured_outputs={"json": SCHEMA})),
+        ("scripted", "structured_outputs", SamplingParams(structured_outputs={"regex": "a+"})),
         ("scripted", "top_logprobs", SamplingParams(top_logprobs=2)),
     ],
 )
@@ -103,19 +106,22 @@ def test_an_engine_that_cannot_says_so_naming_the_field(
 
 
 @given(st.dictionaries(st.text(max_size=5), st.integers() | st.text(max_size=5), max_size=4))
-def test_a_schema_dict_is_kept_as_its_json_text(schema: dict[str, Any]) -> None:
-    params = SamplingParams(json_schema=schema)
-    assert json.loads(params.json_schema or "") == schema
-    assert params == SamplingParams(json_schema=json.dumps(schema, sort_keys=True))
-    assert hash(params) == hash(SamplingParams(json_schema=schema))
+def test_structured_outputs_are_kept_as_their_json_text(schema: dict[str, Any]) -> None:
+    params = SamplingParams(structured_outputs={"json": schema})
+    assert json.loads(params.structured_outputs or "") == {"json": schema}
+    text = json.dumps({"json": schema}, sort_keys=True)
+    assert params == SamplingParams(structured_outputs=text)
+    assert hash(params) == hash(SamplingParams(structured_outputs={"json": schema}))
 
 
 @pytest.mark.parametrize(
     ("kw", "shown"),
     [
-        ({"json_schema": "[1, 2]"}, "'[1, 2]'"),
-        ({"json_schema": "{nope"}, "{nope"),
-        ({"json_schema": 7}, "7"),
+        ({"structured_outputs": "[1, 2]"}, "'[1, 2]'"),
+        ({"structured_outputs": "{nope"}, "{nope"),
+        ({"structured_outputs": 7}, "7"),
+        ({"structured_outputs": {}}, "'{}'"),
+        ({"structured_outputs": {"schema": {}}}, "schema"),
         ({"top_logprobs": 21}, "21"),
         ({"top_logprobs": -1}, "-1"),
         ({"top_logprobs": True}, "True"),

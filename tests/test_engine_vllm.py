@@ -335,7 +335,7 @@ def test_multiprocess_mode(
         assert [t[0][0] for t in top.top_logprobs] == list(top.token_ids)  # greedy: the top
         assert all(len(t) == 3 for t in top.top_logprobs)
         schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
-        shaped = SamplingParams(max_tokens=60, json_schema=schema, seed=0)
+        shaped = SamplingParams(max_tokens=60, structured_outputs={"json": schema}, seed=0)
         (js,) = engine.generate_batch(prompts[:1], shaped)
         if js.finish_reason == "stop":  # the integer may run past max_tokens
             assert set(

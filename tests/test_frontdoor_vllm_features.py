@@ -1,8 +1,8 @@
 """What the front door asks of the engine beyond plain sampling, on the real vLLM engine
 with the real ``openai`` client: forced tool calls (``tool_choice`` ``"required"`` or a
-named function, through vLLM's structured outputs), ``top_logprobs``, and ``stream=true``
-token by token. Every answer is checked against what the engine produced, recorded at
-the engine boundary."""
+named function, through vLLM's structured outputs, chosen per parser as vLLM chooses),
+``top_logprobs``, and ``stream=true`` token by token. Every answer is checked against
+what the engine produced, recorded at the engine boundary."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import openai
 import pytest
 from tool_support import add, divide
@@ -56,19 +57,22 @@ def chat(engine: Any) -> Any:
     return SETTINGS.chat_format(AutoTokenizer.from_pretrained(str(default_model_path(tools=True))))
 
 
-def run(engine: Any, chat: Any, agent: Any) -> Trajectory:
+def run(engine: Any, chat: Any, agent: Any, settings: EpisodeSettings = SETTINGS) -> Trajectory:
     env = AgentEnv(agent, task=lambda seed: "What is 6 / 3?")
     try:
         spec = EpisodeSpec(0, 11, 4, "agent")
-        return engine.runtime.call(env.run_episode(spec, engine, chat, SETTINGS))  # type: ignore[no-any-return]
+        return engine.runtime.call(env.run_episode(spec, engine, chat, settings))  # type: ignore[no-any-return]
     finally:
         env.close()
 
 
-def test_a_named_tool_choice_forces_a_call_with_schema_valid_arguments(
-    engine: Any, chat: Any
-) -> None:
+@pytest.mark.parametrize("parser", ["hermes", None])
+def test_a_named_tool_choice_forces_that_call(engine: Any, chat: Any, parser: str | None) -> None:
+    """hermes: vLLM's structural tag holds the model to its own call markup, name fixed;
+    no parser: vLLM's JSON schema of the function's arguments, read back from the JSON."""
     replies: list[Any] = []
+    settings = attrs.evolve(SETTINGS, tool_parser=parser)
+    chat = settings.chat_format(chat.tokenizer)
 
     async def agent(client: openai.AsyncOpenAI, task: str) -> float:
         messages: list[Any] = [{"role": "user", "content": task}]
@@ -87,19 +91,27 @@ def test_a_named_tool_choice_forces_a_call_with_schema_valid_arguments(
                 messages.append({"role": "tool", "tool_call_id": c.id, "content": "2.0"})
         return 1.0
 
-    traj = run(engine, chat, agent)
+    traj = run(engine, chat, agent, settings)
     assert traj.error is None and traj.prefix_breaks == 0 and len(traj.turns) == 2
     for reply, turn, (_, params, gen, _) in zip(replies, traj.turns, engine.seen, strict=True):
-        schema = json.loads(params.json_schema)  # the function's own parameters schema
-        assert schema["required"] == ["a", "b"] and set(schema["properties"]) == {"a", "b"}
+        assert turn.response_ids == gen.token_ids
+        outputs = json.loads(params.structured_outputs)
+        said = chat.decode_for_parsing(list(gen.token_ids))
+        if parser == "hermes":
+            assert set(outputs) == {"structural_tag"}
+            assert said.startswith("<tool_call>") and '{"name": "divide"' in said[:40]
+            if gen.finish_reason != "stop":  # cut inside the call by max_tokens
+                continue
+        else:  # the function's own parameters schema; the model's tokens are that JSON
+            schema = outputs["json"]
+            assert schema["required"] == ["a", "b"] and set(schema["properties"]) == {"a", "b"}
         (call,) = reply.choices[0].message.tool_calls
         assert call.function.name == "divide" and reply.choices[0].finish_reason == "tool_calls"
         arguments = json.loads(call.function.arguments)
-        assert set(arguments) == {"a", "b"}
-        assert all(isinstance(v, (int, float)) for v in arguments.values())
-        assert turn.response_ids == gen.token_ids and turn.action_valid is True
-        said = chat.tokenizer.decode(list(gen.token_ids), skip_special_tokens=True)
-        assert json.loads(said) == arguments  # the model's own tokens are that JSON
+        if parser is None:
+            assert set(arguments) == {"a", "b"} and turn.action_valid is True
+            assert all(isinstance(v, (int, float)) for v in arguments.values())
+            assert json.loads(said) == arguments
 
 
 def test_a_required_tool_choice_forces_at_least_one_known_call(engine: Any, chat: Any) -> None:
@@ -119,14 +131,15 @@ def test_a_required_tool_choice_forces_at_least_one_known_call(engine: Any, chat
 
     traj = run(engine, chat, agent)
     (_, params, gen, _), (reply,) = engine.seen[0], replies
-    schema = json.loads(params.json_schema)
-    assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
-    assert traj.error is None and traj.turns[0].response_ids == gen.token_ids
-    if gen.finish_reason == "stop":  # the JSON closed within max_tokens
+    (tag,) = json.loads(params.structured_outputs)  # hermes: its own markup, one call
+    assert tag == "structural_tag" and traj.error is None
+    assert traj.turns[0].response_ids == gen.token_ids
+    said = chat.decode_for_parsing(list(gen.token_ids))
+    assert said.startswith("<tool_call>") and said.count("<tool_call>") == 1
+    if gen.finish_reason == "stop":  # the call closed within max_tokens
         (call,) = reply.choices[0].message.tool_calls
         assert call.function.name in ("add", "divide") and call.id == "call_0_0"
-        assert set(json.loads(call.function.arguments)) == {"a", "b"}
-        assert traj.env_metrics["tool/calls"] == 1.0 and traj.turns[0].action_valid
+        assert traj.env_metrics["tool/calls"] == 1.0
     else:  # cut short: no call, counted as malformed, never a silent empty call
         assert not reply.choices[0].message.tool_calls and not traj.turns[0].action_valid
 

@@ -80,7 +80,7 @@ class BaseEngine(EngineStateView):
         # a backend that reads prompts as sequences gets an episode's PromptView as it is
         views = bool(getattr(self._backend, "takes_views", False))
         self._check_prompt = check_prompt_view if views else check_prompt
-        # what the backend can do beyond the basics: top_logprobs, json_schema, on_tokens
+        # what the backend can do beyond the basics: top_logprobs, structured_outputs, on_tokens
         self._features = frozenset(getattr(self._backend, "features", ()))
 
     # -- state (version, pause_mode, closed, ...: EngineStateView) ----------------------
@@ -132,7 +132,7 @@ class BaseEngine(EngineStateView):
         ``on_tokens`` gets the response's ids as they are produced (``OnTokens``)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        if params.top_logprobs or params.json_schema is not None:
+        if params.top_logprobs or params.structured_outputs is not None:
             self._check_features(params)
         prompt = self._check_prompt(prompt_ids, self._backend.vocab_size)
         self._state.check_open()
@@ -142,13 +142,13 @@ class BaseEngine(EngineStateView):
         return await self._scope.run(self._generate(prompt, params, on_tokens))
 
     def supports(self, feature: str) -> bool:
-        """Whether this engine honours ``feature``: ``"top_logprobs"``, ``"json_schema"``
+        """Whether this engine honours ``feature``: ``"top_logprobs"``, ``"structured_outputs"``
         (``SamplingParams`` fields) or ``"on_tokens"`` (ids as they are produced, not all
         at once at the end)."""
         return feature in self._features
 
     def _check_features(self, params: SamplingParams) -> None:
-        for field in ("top_logprobs", "json_schema"):
+        for field in ("top_logprobs", "structured_outputs"):
             if getattr(params, field) not in (0, None) and field not in self._features:
                 raise EngineError(
                     f"SamplingParams.{field}={getattr(params, field)!r}: {type(self).__name__} "
@@ -163,7 +163,7 @@ class BaseEngine(EngineStateView):
             raise EngineError("generate_batch blocks; do not call it on the engine's own loop")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        if params.top_logprobs or params.json_schema is not None:
+        if params.top_logprobs or params.structured_outputs is not None:
             self._check_features(params)
         checked = [self._check_prompt(p, self._backend.vocab_size) for p in prompts]
         self._state.check_open()

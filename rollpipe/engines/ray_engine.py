@@ -89,7 +89,7 @@ class RayBackend:
     """Forwards every call to the engine's actor (see the module doc)."""
 
     vocab_size = None  # the hosted engine checks prompt ids
-    features = frozenset({"top_logprobs", "json_schema"})  # the hosted engine checks them
+    features = frozenset({"top_logprobs", "structured_outputs"})  # the hosted engine checks them
 
     def __init__(
         self, actor: Any, link: EngineLink, store: WeightStore, update_timeout_s: float | None

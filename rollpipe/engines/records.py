@@ -17,6 +17,7 @@ from rollpipe.runtime import RuntimeClosedError
 
 __all__ = [
     "FINISH_REASONS",
+    "STRUCTURED_KINDS",
     "EngineClosedError",
     "EngineError",
     "Generation",
@@ -59,22 +60,28 @@ def _check_bool(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
         raise ValueError(f"{type(inst).__name__}.{attr.name} must be a bool, got {value!r}")
 
 
-def _schema_text(value: Any) -> Any:
-    """A JSON schema given as a dict is stored as its JSON text (the params stay hashable)."""
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+"""What ``SamplingParams.structured_outputs`` may hold: vLLM's ``StructuredOutputsParams``."""
+
+
+def _structured_text(value: Any) -> Any:
+    """Structured outputs given as a dict are stored as JSON text (the params stay
+    hashable)."""
     return json.dumps(value, sort_keys=True) if isinstance(value, dict) else value
 
 
-def _check_schema(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+def _check_structured(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
     if value is None:
         return
     try:
-        schema = json.loads(value) if isinstance(value, str) else None
+        spec = json.loads(value) if isinstance(value, str) else None
     except json.JSONDecodeError as exc:
-        schema, value = None, f"{value[:80]!r} ({exc})"
-    if not isinstance(schema, dict):
+        spec, value = None, f"{value[:80]!r} ({exc})"
+    if not isinstance(spec, dict) or not spec or not set(spec) <= set(STRUCTURED_KINDS):
         raise ValueError(
-            f"SamplingParams.json_schema must be a JSON schema object (a dict or its JSON "
-            f"text), got {value!r}"
+            f"SamplingParams.structured_outputs must be an object (a dict or its JSON text) "
+            f"with one of {STRUCTURED_KINDS}, as vLLM's StructuredOutputsParams, e.g. "
+            f'{{"json": <a JSON schema>}}; got {value!r}'
         )
 
 
@@ -88,9 +95,9 @@ class SamplingParams:
 
     ``top_logprobs=k`` also returns, per token, the ``k`` most likely tokens and their
     log-probabilities (OpenAI's ``top_logprobs``, vLLM's ``logprobs=k``; at most 20).
-    ``json_schema`` constrains the output to JSON matching the schema (vLLM's structured
-    outputs, ``StructuredOutputsParams(json=...)``). Engines that cannot do either raise
-    ``EngineError`` naming the field.
+    ``structured_outputs`` constrains the output as vLLM's ``StructuredOutputsParams`` with
+    those fields does (``{"json": schema}``, ``{"regex": ...}``, ``{"structural_tag":
+    ...}``, ...). Engines that cannot do either raise ``EngineError`` naming the field.
     """
 
     max_tokens: int = attrs.field(default=64, validator=int_at_least(1))
@@ -104,8 +111,8 @@ class SamplingParams:
     logprobs: bool = attrs.field(default=True, validator=_check_bool)
     ignore_eos: bool = attrs.field(default=False, validator=_check_bool)
     top_logprobs: int = attrs.field(default=0, validator=int_in(0, 20))
-    json_schema: str | None = attrs.field(
-        default=None, converter=_schema_text, validator=_check_schema
+    structured_outputs: str | None = attrs.field(
+        default=None, converter=_structured_text, validator=_check_structured
     )
 
     @property

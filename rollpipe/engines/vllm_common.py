@@ -81,7 +81,7 @@ class VLLMBackendBase:
     """
 
     reports_tokens = True
-    features = frozenset({"top_logprobs", "json_schema", "on_tokens"})
+    features = frozenset({"top_logprobs", "structured_outputs", "on_tokens"})
 
     def __init__(self, llm: Any, link: EngineLink) -> None:
         self.llm = llm
@@ -105,8 +105,8 @@ class VLLMBackendBase:
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         structured = None
-        if params.json_schema is not None:
-            structured = StructuredOutputsParams(json=json.loads(params.json_schema))
+        if params.structured_outputs is not None:
+            structured = StructuredOutputsParams(**json.loads(params.structured_outputs))
         wanted = params.logprobs or params.top_logprobs > 0
         return VSamplingParams(
             n=1,

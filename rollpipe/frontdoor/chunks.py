@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rollpipe.agent.parsers import call_id
+from rollpipe.frontdoor.forced import vllm_request
 from rollpipe.frontdoor.requests import ChatRequest
 from rollpipe.frontdoor.responses import delta_of
 
@@ -38,23 +39,6 @@ def parser_class(tokenizer: Any, tool_parser: str | None, reasoning_parser: str 
         reasoning_parser_name=reasoning_parser,
         enable_auto_tools=True,
         tokenizer=tokenizer,
-    )
-
-
-def _vllm_request(request: ChatRequest) -> Any:
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-
-    choice: Any = request.tool_choice
-    if choice == "function":
-        choice = {"type": "function", "function": {"name": request.tool_name}}
-    make: Any = ChatCompletionRequest  # pydantic: the tool dicts are validated into models
-    return make(
-        messages=[],
-        model="rollpipe",
-        tools=[dict(t) for t in request.tools] or None,
-        tool_choice=choice if request.tools else None,
-        parallel_tool_calls=request.parallel_tool_calls,
-        include_reasoning=True,
     )
 
 
@@ -90,7 +74,7 @@ class ChunkStream:
         self.vllm_request: Any = None
         self.parser: Any = None
         if parser_cls is not None and request.tool_choice != "none":
-            self.vllm_request = _vllm_request(request)
+            self.vllm_request = vllm_request(request)
             self.parser = parser_cls(tokenizer, self.vllm_request.tools)
         self.whole = forced and self.parser is None  # no streaming parser: calls at the end
         self.content, self.reasoning = "", ""

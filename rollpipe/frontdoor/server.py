@@ -39,7 +39,7 @@ from rollpipe.agent.records import EpisodeSpec, Trajectory
 from rollpipe.engines.protocol import Engine, engine_supports
 from rollpipe.engines.records import EngineError, SamplingParams
 from rollpipe.frontdoor.chunks import parser_class
-from rollpipe.frontdoor.forced import forced_schema
+from rollpipe.frontdoor.forced import forced_outputs
 from rollpipe.frontdoor.requests import ChatRequest, RequestError, parse_chat_request
 from rollpipe.frontdoor.responses import completion_body, models_body
 from rollpipe.frontdoor.session import AgentSession, Prompt
@@ -254,10 +254,13 @@ class FrontDoor:
             session.in_flight.add(task)
             try:
                 async with session.lock:
-                    prompt, params = self._prepare(session, parsed)
+                    prompt, params, json_calls = self._prepare(session, parsed)
                     if parsed.stream:
-                        return await self._streamed(request, session, parsed, prompt, params)
-                    return web.json_response(await self._complete(session, parsed, prompt, params))
+                        return await self._streamed(
+                            request, session, parsed, prompt, params, json_calls
+                        )
+                    body = await self._complete(session, parsed, prompt, params, json_calls)
+                    return web.json_response(body)
             finally:
                 session.in_flight.discard(task)
         except RequestError as error:
@@ -265,8 +268,9 @@ class FrontDoor:
 
     def _prepare(
         self, session: AgentSession, request: ChatRequest
-    ) -> tuple[Prompt, SamplingParams]:
-        """The call's engine prompt and sampling; ``RequestError`` before anything is sent."""
+    ) -> tuple[Prompt, SamplingParams, bool]:
+        """The call's engine prompt, its sampling, and whether a forced call comes as JSON
+        (``forced.py``); ``RequestError`` before anything is sent."""
         if session.finished:  # it ended while this request waited for the lock
             raise RequestError("the session finished", None, 401, "authentication_error")
         prompt = session.prompt_for(request)
@@ -278,10 +282,27 @@ class FrontDoor:
                 "messages",
                 code="context_length_exceeded",
             )
-        return prompt, self._params(session, request, budget)
+        outputs, json_calls = None, False
+        if request.tool_choice in ("required", "function"):
+            chat = self.chat
+            outputs, json_calls = forced_outputs(request, chat.tokenizer, self._parsers())
+        return prompt, self._params(session, request, budget, outputs), json_calls
+
+    def _parsers(self) -> Any:
+        """vLLM's composed parser class for the door's parsers (None: none set), built
+        when first needed."""
+        if self._parser_cls is _UNSET:
+            chat = self.chat
+            self._parser_cls = parser_class(chat.tokenizer, chat.tool_parser, chat.reasoning_parser)
+        return self._parser_cls
 
     async def _complete(
-        self, session: AgentSession, request: ChatRequest, prompt: Prompt, params: SamplingParams
+        self,
+        session: AgentSession,
+        request: ChatRequest,
+        prompt: Prompt,
+        params: SamplingParams,
+        json_calls: bool,
     ) -> dict[str, Any]:
         s = self.settings
         try:
@@ -298,7 +319,7 @@ class FrontDoor:
         except (GenerationTimeoutError, EngineError) as exc:
             raise engine_failed(session, exc) from exc
         gen, text = cut_at_stop(gen, request.stop, self.chat.decode_for_parsing)
-        action, message = session.record(request, prompt, gen, text)
+        action, message = session.record(request, prompt, gen, text, json_calls=json_calls)
         return completion_body(
             completion_id=self._completion_id(session),
             model=self.model_name,
@@ -321,33 +342,37 @@ class FrontDoor:
         request: ChatRequest,
         prompt: Prompt,
         params: SamplingParams,
+        json_calls: bool,
     ) -> web.StreamResponse:
-        if self._parser_cls is _UNSET:
-            chat = self.chat
-            self._parser_cls = parser_class(chat.tokenizer, chat.tool_parser, chat.reasoning_parser)
         answer = StreamedAnswer(
-            self.engine, self.chat, self.settings, session, request, self._parser_cls
+            self.engine, self.chat, self.settings, session, request, self._parsers()
         )
         head = {"id": self._completion_id(session), "model": self.model_name}
-        return await answer.send(http, head, prompt, params)
+        return await answer.send(http, head, prompt, params, json_calls)
 
-    def _check_engine(self, request: ChatRequest) -> None:
+    def _check_engine(self, request: ChatRequest, outputs: dict[str, Any] | None) -> None:
         """A 400 for what the request needs and the engine cannot do (its ``supports``)."""
         needs = []
         if request.sampling.get("top_logprobs"):
             needs.append(("top_logprobs", request.sampling["top_logprobs"], "top_logprobs"))
-        if request.tool_choice in ("required", "function"):
+        if outputs is not None:
             choice = request.tool_name or request.tool_choice
-            needs.append(("tool_choice", choice, "json_schema (structured outputs)"))
+            needs.append(("tool_choice", choice, "structured_outputs"))
         for param, value, feature in needs:
-            if not engine_supports(self.engine, feature.split()[0]):
+            if not engine_supports(self.engine, feature):
                 raise RequestError(
                     f"{param}={value!r}: this server's engine ({type(self.engine).__name__}) "
                     f"does not support {feature}; use a vLLM engine, or leave {param} out",
                     param,
                 )
 
-    def _params(self, session: AgentSession, request: ChatRequest, budget: int) -> SamplingParams:
+    def _params(
+        self,
+        session: AgentSession,
+        request: ChatRequest,
+        budget: int,
+        outputs: dict[str, Any] | None,
+    ) -> SamplingParams:
         base = self.settings.sampling
         wanted = dict(request.sampling)
         max_tokens = min(wanted.pop("max_tokens", base.max_tokens), budget)
@@ -357,11 +382,9 @@ class FrontDoor:
             stop = (*stop, eot)
         spec = session.spec
         seed = wanted.pop("seed", derive_seed(spec.seed, spec.episode_id, session.calls))
-        self._check_engine(request)
-        if request.tool_choice in ("required", "function"):
-            wanted["json_schema"] = forced_schema(
-                request.tools, request.tool_choice, request.tool_name, request.parallel_tool_calls
-            )
+        self._check_engine(request, outputs)
+        if outputs is not None:
+            wanted["structured_outputs"] = outputs
         try:
             return base.replace(
                 **wanted, max_tokens=max_tokens, seed=seed, stop_token_ids=stop, logprobs=True

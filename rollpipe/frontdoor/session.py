@@ -141,10 +141,12 @@ class AgentSession:
         gen: Generation,
         text: str | None = None,
         shown: Mapping[str, Any] | None = None,
+        json_calls: bool = False,
     ) -> tuple[AssistantAction, dict[str, Any]]:
         """Add the call to the session; the parsed response and its assistant message.
         ``text``: the response's text when not its ids' (cut before a stop string).
-        ``shown``: the message the client got when not the parsed one (streamed)."""
+        ``shown``: the message the client got when not the parsed one (streamed).
+        ``json_calls``: a forced call that came as JSON, not the model's markup."""
         if prompt.new_row or self._dialog is None:
             self._tools = request.tools
             self.rows.append([])
@@ -154,7 +156,7 @@ class AgentSession:
         # same objects let the next call's prefix check compare them by identity
         if text is None:
             text = self.chat.decode_for_parsing(gen.token_ids)
-        if request.tool_choice in ("required", "function"):
+        if json_calls:
             action = forced_action(text, request.tool_choice, request.tool_name, self.calls)
         elif request.tool_choice == "none" or dialog.parser is None:
             action = AssistantAction.plain(text)

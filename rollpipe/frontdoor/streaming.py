@@ -71,9 +71,15 @@ class StreamedAnswer:
         self.session, self.request, self.parser_cls = session, request, parser_cls
 
     async def send(
-        self, http: web.Request, head: dict[str, Any], prompt: Prompt, params: SamplingParams
+        self,
+        http: web.Request,
+        head: dict[str, Any],
+        prompt: Prompt,
+        params: SamplingParams,
+        json_calls: bool,
     ) -> web.StreamResponse:
-        """Generate with ``params`` from ``prompt``, streaming; the finished response."""
+        """Generate with ``params`` from ``prompt``, streaming; the finished response.
+        ``json_calls``: a forced call that comes as JSON (``forced.py``)."""
         chat, request = self.chat, self.request
         chunks = ChunkStream(
             head | {"created": int(time.time())},
@@ -94,7 +100,9 @@ class StreamedAnswer:
             await response.write_eof()
             return response
         shown = None if chunks.whole else chunks.message()
-        _, message = self.session.record(request, prompt, gen, text, shown=shown)
+        _, message = self.session.record(
+            request, prompt, gen, text, shown=shown, json_calls=json_calls
+        )
         if chunks.whole:
             rest += chunks.whole_calls(message)
         finish = "tool_calls" if message.get("tool_calls") else gen.finish_reason
