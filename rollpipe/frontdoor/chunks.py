@@ -91,18 +91,22 @@ class ChunkStream:
         return self._chunk({"role": "assistant", "content": ""})
 
     def feed(self, ids: list[int]) -> list[dict[str, Any]]:
-        """Chunks for the text ``ids`` complete (maybe none yet)."""
-        self.ids.extend(ids)
-        if self.whole:
-            return []
-        text = self.decode(self.ids)
-        if any(s in text for s in self.request.stop):
-            return []  # cut in finish()
-        safe = text.rstrip("\ufffd")
-        safe = safe[: len(safe) - self.hold] if self.hold else safe
-        if len(safe) <= len(self.text) or not safe.startswith(self.text):
-            return []
-        return self._parsed(safe, finished=False)
+        """Chunks for the text ``ids`` complete (maybe none yet). The parser gets them
+        one token at a time, as vLLM's server feeds it: its streaming parsers are built
+        for small deltas (a whole tool call in one delta loses its arguments)."""
+        chunks: list[dict[str, Any]] = []
+        for token in ids:
+            self.ids.append(token)
+            if self.whole:
+                continue
+            text = self.decode(self.ids)
+            if any(s in text for s in self.request.stop):
+                continue  # cut in finish()
+            safe = text.rstrip("\ufffd")
+            safe = safe[: len(safe) - self.hold] if self.hold else safe
+            if len(safe) > len(self.text) and safe.startswith(self.text):
+                chunks += self._parsed(safe, finished=False)
+        return chunks
 
     def finish(self, token_ids: list[int], text: str) -> list[dict[str, Any]]:
         """Chunks for the rest of the answer: ``token_ids`` (cut where a stop string
@@ -113,7 +117,14 @@ class ChunkStream:
                 "request was sent again from its start); the call failed"
             )
         self.ids = list(token_ids)
-        return self._parsed(text, finished=True)
+        chunks = self._parsed(text, finished=True)
+        tools = None if self.parser is None else self.parser.tool_parser
+        rest = tools.get_remaining_unstreamed_args() if tools is not None else ""
+        if rest and self.calls:  # arguments the parser read but never sent in a delta
+            call = {"index": max(self.calls), "function": {"arguments": rest}}
+            self._add({"tool_calls": [call]})
+            chunks.append(self._chunk({"tool_calls": [call]}))
+        return chunks
 
     def _parsed(self, text: str, finished: bool) -> list[dict[str, Any]]:
         delta_text, new_ids = text[len(self.text) :], self.ids[self.fed :]
