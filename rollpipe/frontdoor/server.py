@@ -33,7 +33,7 @@ from aiohttp import web
 
 from rollpipe._utils.seeding import derive_seed
 from rollpipe.agent.chat import ChatFormat
-from rollpipe.agent.episode import EpisodeSettings, generate_turn
+from rollpipe.agent.episode import EpisodeSettings
 from rollpipe.agent.generation_timeout import GenerationTimeoutError
 from rollpipe.agent.records import EpisodeSpec, Trajectory
 from rollpipe.engines.protocol import Engine, engine_supports
@@ -304,18 +304,8 @@ class FrontDoor:
         params: SamplingParams,
         json_calls: bool,
     ) -> dict[str, Any]:
-        s = self.settings
         try:
-            gen = await generate_turn(
-                self.engine,
-                prompt.ids,
-                params,
-                session.admit,
-                s.max_aborts,
-                session.clock,
-                session.route,
-                s.generation_timeout_s,
-            )
+            gen = await session.generate(self.engine, self.settings, prompt, params)
         except (GenerationTimeoutError, EngineError) as exc:
             raise engine_failed(session, exc) from exc
         gen, text = cut_at_stop(gen, request.stop, self.chat.decode_for_parsing)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
 import attrs
@@ -26,12 +26,15 @@ import attrs
 from rollpipe.agent.actions import AssistantAction
 from rollpipe.agent.chat import ChatFormat
 from rollpipe.agent.dialog import Dialog
+from rollpipe.agent.engine_request import generate_turn
 from rollpipe.agent.env_caller import Clock
+from rollpipe.agent.episode import EpisodeSettings
 from rollpipe.agent.messages import messages_text
 from rollpipe.agent.records import EndReason, EpisodeSpec, Trajectory, Turn
 from rollpipe.agent.tools import tool_set
 from rollpipe.engines.inputs import CheckedIds
-from rollpipe.engines.records import Generation
+from rollpipe.engines.protocol import Engine, OnTokens
+from rollpipe.engines.records import Generation, SamplingParams
 from rollpipe.engines.routing import Session
 from rollpipe.frontdoor.forced import forced_action
 from rollpipe.frontdoor.requests import ChatRequest, RequestError, normalise_message
@@ -132,6 +135,29 @@ class AgentSession:
                     f"the chat template refused these messages: {exc}", "messages"
                 ) from exc
             raise
+
+    # -- generating ---------------------------------------------------------------------
+    def generate(
+        self,
+        engine: Engine,
+        settings: EpisodeSettings,
+        prompt: Prompt,
+        params: SamplingParams,
+        on_tokens: OnTokens = None,
+    ) -> Coroutine[Any, Any, Generation]:
+        """The call's engine request (``generate_turn``): held while the pipeline is
+        suspended, kept on the session's rank, within ``settings``' limits."""
+        return generate_turn(
+            engine,
+            prompt.ids,
+            params,
+            self.admit,
+            settings.max_aborts,
+            self.clock,
+            self.route,
+            settings.generation_timeout_s,
+            on_tokens=on_tokens,
+        )
 
     # -- recording ----------------------------------------------------------------------
     def record(

@@ -19,7 +19,6 @@ from typing import Any
 from aiohttp import web
 
 from rollpipe.agent.chat import ChatFormat
-from rollpipe.agent.engine_request import generate_turn
 from rollpipe.agent.episode import EpisodeSettings
 from rollpipe.agent.generation_timeout import GenerationTimeoutError
 from rollpipe.engines.protocol import Engine
@@ -126,18 +125,13 @@ class StreamedAnswer:
         params: SamplingParams,
     ) -> tuple[Generation, str, list[dict[str, Any]]]:
         """The answer (cut at a stop string), its text, and the chunks still to send."""
-        s, session = self.settings, self.session
         runtime, arrived = self.engine.runtime, asyncio.Queue[list[int] | None]()
         turn = asyncio.ensure_future(
-            generate_turn(
+            self.session.generate(
                 self.engine,
-                prompt.ids,
+                self.settings,
+                prompt,
                 params,
-                session.admit,
-                s.max_aborts,
-                session.clock,
-                session.route,
-                s.generation_timeout_s,
                 on_tokens=lambda ids: runtime.call_soon(arrived.put_nowait, list(ids)),
             )
         )
