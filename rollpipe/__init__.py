@@ -34,6 +34,7 @@ _EXPORTS: dict[str, str] = {
     "FrontDoor": "rollpipe.frontdoor.server",
     "TRLEnv": "rollpipe.integrations.trl_env",
     "pipeline_rollout": "rollpipe.integrations.trl",
+    "grpo_trainer_kwargs": "rollpipe.integrations.trl",
     "run_episode": "rollpipe.agent.episode",
     "trajectory_rows": "rollpipe.data.rows",
     "to_roll": "rollpipe.data.roll_layout",
@@ -94,7 +95,7 @@ if TYPE_CHECKING:
     from rollpipe.envs.tool_env import ToolEnv
     from rollpipe.frontdoor.agent import AgentEnv, AgentResult
     from rollpipe.frontdoor.server import FrontDoor
-    from rollpipe.integrations.trl import pipeline_rollout
+    from rollpipe.integrations.trl import grpo_trainer_kwargs, pipeline_rollout
     from rollpipe.integrations.trl_env import TRLEnv
     from rollpipe.nodes.batch import Batch, TrajectoryBatch
     from rollpipe.nodes.collate import Collate, CollateSettings

@@ -1,26 +1,29 @@
 """TRL's ``GRPOTrainer`` trained on rollpipe's rollouts: a ``rollout_func`` from a pipeline.
 
->>> args = GRPOConfig(num_generations=4, per_device_train_batch_size=8, max_steps=4)
->>> with RolloutPipeline(PipelineConfig(group_size=4), engine, tokenizer) as pipe:
-...     trainer = GRPOTrainer(
-...         model, reward_funcs=episode_reward, args=args,
-...         train_dataset=placeholder_dataset(args), processing_class=tokenizer,
-...         rollout_func=pipeline_rollout(pipe),
-...     )
-...     trainer.train()
+>>> args = GRPOConfig("out", num_generations=4, per_device_train_batch_size=8, max_steps=4)
+>>> config = PipelineConfig(envs="frozenlake", group_size=4)
+>>> GRPOTrainer(path, args=args, **grpo_trainer_kwargs(path, config, args)).train()
 
-Each call TRL makes (once per generation batch) first brings the engine's weights to the
-trainer's when an optimizer step happened since the last call (``suspend -> update_weights
--> resume``; the engine's version then is ``start + trainer.state.global_step``, checked),
-then asks the pipeline for ``len(prompts)`` trajectories, whole groups of
-``num_generations``, and returns their rows (``trl_rows.trl_fields``). TRL's prompts are
+``grpo_trainer_kwargs`` builds an engine and a pipeline for ``path`` and hands the trainer
+its ``rollout_func`` (a ``TRLRollout``), ``reward_funcs`` and ``train_dataset``. Each call
+TRL makes (once per generation batch) first brings the engine's weights to the trainer's
+when an optimizer step happened since the last load (``suspend -> update_weights ->
+resume``, as version ``trainer.state.global_step``), then asks the pipeline for
+``len(prompts)`` trajectories, whole groups of ``num_generations``, and returns their rows
+(``trl_rows.trl_fields``). When training ends, a ``TrainerCallback`` that the rollout adds
+to the trainer loads the final weights (TRL's last optimizer step comes after its last
+``rollout_func`` call) and closes what ``grpo_trainer_kwargs`` built. TRL's prompts are
 placeholders: rollpipe's envs make the prompts. See ``docs/trl.md``.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from transformers import TrainerCallback
 
 from rollpipe.config import PipelineConfig
 from rollpipe.data.proto import DataProto
@@ -28,7 +31,14 @@ from rollpipe.engines.protocol import Engine, PauseMode
 from rollpipe.integrations.trl_rows import trl_fields
 from rollpipe.pipeline import RolloutPipeline
 
-__all__ = ["TRLRollout", "episode_reward", "pipeline_rollout", "placeholder_dataset"]
+__all__ = [
+    "FinalWeights",
+    "TRLRollout",
+    "episode_reward",
+    "grpo_trainer_kwargs",
+    "pipeline_rollout",
+    "placeholder_dataset",
+]
 
 METRICS_FIELD = "rollpipe_metrics"
 
@@ -40,11 +50,13 @@ class TRLRollout:
         pipeline: the ``RolloutPipeline``; its ``group_size`` must equal TRL's
             ``num_generations`` and its sampling temperature TRL's ``temperature``.
         sync_weights: load the trainer's weights into the engine after each optimizer
-            step (False only if you sync yourself).
+            step and when training ends (False only if you sync yourself).
         suspend_mode: the pipeline's pause mode while loading (``"abort"``, ROLL's).
+        close_on_train_end: close the pipeline (and the engine it owns) when training
+            ends, after the last load.
 
-    ``syncs`` lists ``(global_step, engine version)`` per weight load; ``last_batch`` is
-    the ``DataProto`` TRL got last.
+    ``syncs`` lists ``(global_step, engine version)`` per weight load (equal pairs);
+    ``last_batch`` is the ``DataProto`` TRL got last.
     """
 
     def __init__(
@@ -53,6 +65,7 @@ class TRLRollout:
         *,
         sync_weights: bool = True,
         suspend_mode: PauseMode = "abort",
+        close_on_train_end: bool = False,
     ) -> None:
         if not isinstance(pipeline, RolloutPipeline):
             raise TypeError(
@@ -60,16 +73,19 @@ class TRLRollout:
                 "or call pipeline_rollout(config, engine, tokenizer)"
             )
         self.pipeline, self.sync_weights, self.suspend_mode = pipeline, sync_weights, suspend_mode
+        self.close_on_train_end = close_on_train_end
+        self.callback = FinalWeights(self)
         self.syncs: list[tuple[int, int]] = []
         self.last_batch: DataProto | None = None
         self._synced_step: int | None = None
-        self._start: int | None = None  # engine version - global_step, fixed at the first sync
+        self._trainer: Any = None
 
     # -- TRL's call ---------------------------------------------------------------------
     def __call__(self, prompts: Sequence[Any], trainer: Any) -> dict[str, Any]:
         """TRL's ``rollout_func(prompts, trainer)``: ``prompt_ids``, ``completion_ids``,
         ``logprobs``, ``env_mask`` and extra fields, one entry per prompt."""
         self._check_trainer(trainer, len(prompts))
+        self._attach(trainer)
         step = int(trainer.state.global_step)
         if self.sync_weights:
             self.sync(trainer)
@@ -86,11 +102,17 @@ class TRLRollout:
         fields[METRICS_FIELD] = dict(batch.meta_info.get("metrics", {}))  # one dict, all rows
         return fields
 
+    def _attach(self, trainer: Any) -> None:
+        """Add ``self.callback`` to the trainer once, for the load when training ends."""
+        self._trainer = trainer
+        if self.callback not in trainer.callback_handler.callbacks:
+            trainer.add_callback(self.callback)
+
     # -- weights ------------------------------------------------------------------------
     def sync(self, trainer: Any) -> int:
-        """Load the trainer's weights if it stepped since the last load (the engine's
-        version becomes ``start + global_step``); returns the engine's version. Each call
-        does this; call it after ``trainer.train()`` for the final weights."""
+        """Load the trainer's weights as version ``trainer.state.global_step`` if it
+        stepped since the last load; returns the engine's version. The rollout calls it at
+        each call and when training ends: you need not."""
         step = int(trainer.state.global_step)
         if step != self._synced_step:
             self._load(trainer, step)
@@ -105,24 +127,22 @@ class TRLRollout:
                 "sync_weights=False and load merged weights yourself"
             )
         current = self.pipeline.version
-        if self._start is None:
-            self._start = current + 1 - step
-        version = self._start + step
-        if version <= current:
+        if step < current:
             raise RuntimeError(
-                f"TRLRollout: the engine is at version {current}, past {version} (= start "
-                f"{self._start} + global_step {step}); something else updated its weights. "
-                "Let this rollout function be the only one to update them"
+                f"TRLRollout: the engine is at version {current}, past the trainer's "
+                f"global_step {step}; its version is the global_step of the weights it holds, "
+                "so give the trainer a fresh engine (version 0), and let this rollout "
+                "function be the only one to update its weights"
             )
         with self.pipeline.suspended(self.suspend_mode):
-            loaded = self.pipeline.update_weights(model, version=version)
-        if loaded != version or self.pipeline.version != version:
+            loaded = self.pipeline.update_weights(model, version=step)
+        if loaded != step or self.pipeline.version != step:
             raise RuntimeError(
-                f"TRLRollout: asked for version {version}, the engine reports "
+                f"TRLRollout: asked for version {step}, the engine reports "
                 f"{self.pipeline.version} (update returned {loaded})"
             )
         self._synced_step = step
-        self.syncs.append((step, version))
+        self.syncs.append((step, step))
 
     def _check_versions(self, batch: DataProto) -> None:
         """On-policy pipelines (``async_generation_ratio=0``): every generated token is of
@@ -140,6 +160,26 @@ class TRLRollout:
                 f"{self.pipeline.version}; the batch is not the trainer's policy"
             )
 
+    # -- the end ------------------------------------------------------------------------
+    def train_ended(self) -> None:
+        """The trainer's last weights into the engine; then close if asked to."""
+        try:
+            if self.sync_weights and self._trainer is not None:
+                self.sync(self._trainer)
+        finally:
+            if self.close_on_train_end:
+                self.close()
+
+    def close(self) -> None:
+        """Close the pipeline (and the engine it owns). Idempotent."""
+        self.pipeline.close()
+
+    def __enter__(self) -> TRLRollout:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # -- checks -------------------------------------------------------------------------
     def _check_trainer(self, trainer: Any, n_prompts: int) -> None:
         if not trainer.model.training:
@@ -147,13 +187,8 @@ class TRLRollout:
                 "TRLRollout: TRL asked for evaluation rollouts; this rollout function serves "
                 "training only: set GRPOConfig(eval_strategy='no') and evaluate with rollpipe"
             )
+        check_settings(self.pipeline.config, trainer.num_generations, trainer.temperature)
         group = self.pipeline.config.source.group_size
-        if trainer.num_generations != group:
-            raise ValueError(
-                f"TRLRollout: GRPOConfig.num_generations={trainer.num_generations} but the "
-                f"pipeline's group_size={group}; TRL normalizes rewards over num_generations "
-                "consecutive rows, which must be one rollpipe group: make them equal"
-            )
         if n_prompts % group:
             raise ValueError(
                 f"TRLRollout: TRL asked for {n_prompts} completions on this process, not a "
@@ -166,13 +201,79 @@ class TRLRollout:
                 "its own tool loop on rollpipe's completions (and ignore env_mask); give the "
                 "env to the pipeline instead (rollpipe.integrations.trl_env.TRLEnv)"
             )
-        temperature = self.pipeline.config.episode.sampling.temperature
-        if float(trainer.temperature) != float(temperature):
-            raise ValueError(
-                f"TRLRollout: GRPOConfig.temperature={trainer.temperature} but the pipeline "
-                f"samples at {temperature} (EpisodeSettings.sampling); TRL scores tokens at "
-                "its temperature, so make them equal"
-            )
+
+
+class FinalWeights(TrainerCallback):  # type: ignore[misc]
+    """``on_train_end``: the engine gets the trainer's final weights (TRL's last optimizer
+    step comes after its last ``rollout_func`` call), then the rollout closes if it was
+    built to. ``TRLRollout`` adds it to the trainer at its first call."""
+
+    def __init__(self, rollout: TRLRollout) -> None:
+        self.rollout = rollout
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.rollout.train_ended()
+
+
+def check_settings(config: PipelineConfig, num_generations: int, temperature: float) -> None:
+    """TRL's ``num_generations`` and ``temperature`` must be the pipeline's group size and
+    sampling temperature; fails naming both."""
+    group = config.source.group_size
+    if num_generations != group:
+        raise ValueError(
+            f"TRLRollout: GRPOConfig.num_generations={num_generations} but the "
+            f"pipeline's group_size={group}; TRL normalizes rewards over num_generations "
+            "consecutive rows, which must be one rollpipe group: make them equal"
+        )
+    sampling = config.episode.sampling.temperature
+    if float(temperature) != float(sampling):
+        raise ValueError(
+            f"TRLRollout: GRPOConfig.temperature={temperature} but the pipeline "
+            f"samples at {sampling} (EpisodeSettings.sampling); TRL scores tokens at "
+            "its temperature, so make them equal"
+        )
+
+
+def grpo_trainer_kwargs(
+    path: str | os.PathLike[str],
+    config: PipelineConfig,
+    args: Any,
+    *,
+    engine: Engine | Callable[[], Engine] | None = None,
+    reward_funcs: Any = None,
+    keep_open: bool = False,
+    **options: Any,
+) -> dict[str, Any]:
+    """``GRPOTrainer``'s ``rollout_func``, ``reward_funcs`` and ``train_dataset`` for
+    ``GRPOTrainer(path, args=args, **grpo_trainer_kwargs(path, config, args))``.
+
+    Args:
+        path: the model's (and tokenizer's) local path, the one the trainer loads.
+        config: the pipeline's settings (envs, ``group_size`` = ``args.num_generations``).
+        args: the trainer's ``GRPOConfig``, checked against ``config`` here.
+        engine: the engine, or a zero-argument factory; default ``VLLMEngine(path)``.
+            Built here (a factory or the default), it is closed with the pipeline.
+        reward_funcs: TRL's reward functions; default ``episode_reward`` (the env's).
+        keep_open: keep the pipeline and its engine open after ``train()``, which
+            otherwise closes them (then close with ``kwargs["rollout_func"].close()``).
+        options: for ``TRLRollout`` (``sync_weights``, ``suspend_mode``).
+
+    The engine holds the trainer's final weights when ``train()`` returns, as version
+    ``trainer.state.global_step``.
+    """
+    check_settings(config, args.num_generations, args.temperature)
+    dataset = placeholder_dataset(args)
+    if engine is None:
+        from rollpipe.engines.vllm import VLLMEngine
+
+        engine = functools.partial(VLLMEngine, os.fspath(path))
+    pipeline = RolloutPipeline(config, engine, path)
+    rollout = TRLRollout(pipeline, close_on_train_end=not keep_open, **options)
+    return {
+        "rollout_func": rollout,
+        "reward_funcs": episode_reward if reward_funcs is None else reward_funcs,
+        "train_dataset": dataset,
+    }
 
 
 def pipeline_rollout(
@@ -182,7 +283,7 @@ def pipeline_rollout(
     **options: Any,
 ) -> TRLRollout:
     """A ``TRLRollout`` from a pipeline, or from ``config, engine, tokenizer`` (the
-    pipeline is built here; close it with ``rollout.pipeline.close()``). ``options`` go
+    pipeline is built here; close it with ``rollout.close()``). ``options`` go
     to ``TRLRollout``."""
     if isinstance(pipeline_or_config, RolloutPipeline):
         if engine is not None or tokenizer is not None:
