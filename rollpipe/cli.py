@@ -48,6 +48,14 @@ SUMMARY_COLUMNS = (
     "tokens/s",
     "wait s",
 )
+# What the columns mean, printed under the table: lines of at most 80 characters, so a
+# terminal of 80 columns breaks none of them mid-sentence.
+LEGEND = (
+    "score: mean episode score (the sum of its rewards) · turns: mean turns per episode",
+    "success: share of episodes the env marked solved · rows: trajectories in the batch",
+    "resp tokens: tokens the model generated · wait s: seconds get_batch waited for them",
+    "tokens/s: generated tokens per second (batch: since the start; total: over wait s)",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -295,11 +303,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
         f"{totals['tokens'] / max(totals['wait'], 1e-9):.0f}",
         f"{totals['wait']:.2f}",
     )
-    table.caption = (
-        f"total tokens/s = response tokens ÷ time in get_batch ({totals['wait']:.1f} s); "
-        f"the run took {wall:.1f} s with the pipeline's start-up"
-    )
+    table.caption = f"The run took {wall:.1f} s, start-up included."
     console.print(table)
+    for line in LEGEND:
+        console.print(line, style="dim", highlight=False, markup=False)
     if args.out is not None:
         console.print(f"saved batches and trajectories.jsonl to {args.out}")
     return 0
@@ -309,7 +316,7 @@ def inspect(args: argparse.Namespace, console: Console) -> int:
     from transformers import AutoTokenizer
 
     from rollpipe.data.proto import DataProto
-    from rollpipe.data.readable import decode_row, marked_text
+    from rollpipe.data.readable import show_row
 
     batch = DataProto.load(args.file)
     shapes = Table(title=f"{args.file}: {len(batch)} rows")
@@ -331,11 +338,9 @@ def inspect(args: argparse.Namespace, console: Console) -> int:
         from rollpipe.engines.tiny_model import default_model_path
 
         model_path = default_model_path()
-    record = decode_row(batch, args.row, AutoTokenizer.from_pretrained(model_path))
-    header = {k: v for k, v in record.items() if k != "spans"}
-    console.print(f"row {args.row}: {json.dumps(header)}")
     console.print("response spans are marked [[like this]]:", style="dim")
-    console.print(marked_text(record), markup=False, highlight=False)
+    shown = show_row(batch, args.row, AutoTokenizer.from_pretrained(model_path))
+    console.print(shown, markup=False, highlight=False)
     return 0
 
 

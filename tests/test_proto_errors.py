@@ -124,8 +124,8 @@ def test_err_unknown_column():
 
 
 def test_err_select_unknown_keys():
-    with pytest.raises(KeyError, match="batch key 'uid' not found; batch keys are"):
-        make(2).select(batch_keys=["uid"])
+    with pytest.raises(KeyError, match="batch key 'nope' not found; batch keys are"):
+        make(2).select(batch_keys=["nope"])
     with pytest.raises(KeyError, match="non_tensor_batch key 'x' not found"):
         make(2).select(non_tensor_batch_keys="x")
     with pytest.raises(KeyError, match="meta_info key 'step' not found"):

@@ -1,12 +1,14 @@
 """Readable views of collated rows: which spans the engine generated, decoded.
 
-Used by ``rollpipe run --out`` (a JSONL of trajectories to read) and ``rollpipe
-inspect``. Works on any ``DataProto`` with ``input_ids``, ``attention_mask`` and
-``response_mask``.
+:func:`show_row` (also ``DataProto.show``) is the Python twin of ``rollpipe inspect``:
+one row as text, the generated spans marked. ``rollpipe run --out`` writes
+:func:`decode_row` records (a JSONL of trajectories to read). Works on any ``DataProto``
+with ``input_ids``, ``attention_mask`` and ``response_mask``.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -29,14 +31,45 @@ def spans(
     return out
 
 
+def show_row(
+    batch: DataProto, index: int, tokenizer: Any, open_mark: str = "[[", close_mark: str = "]]"
+) -> str:
+    """Row ``index`` of ``batch`` as text: a header line (ids, scores, end reason), then
+    the row's tokens decoded, each span the engine generated (``response_mask`` 1)
+    wrapped in ``open_mark ... close_mark``; the rest (prompts, tool results, chat
+    scaffolding) is context. What ``rollpipe inspect FILE --row i`` prints.
+
+    Examples:
+        >>> import torch
+        >>> from transformers import AutoTokenizer
+        >>> from rollpipe import DataProto
+        >>> from rollpipe.engines.tiny_model import default_model_path
+        >>> tok = AutoTokenizer.from_pretrained(str(default_model_path()))
+        >>> prompt, answer = tok.encode("Hi, "), tok.encode("there")
+        >>> ids = torch.tensor([prompt + answer])
+        >>> generated = torch.tensor([[False] * len(prompt) + [True] * len(answer)])
+        >>> row = DataProto.from_dict(
+        ...     {"input_ids": ids, "attention_mask": ids > -1, "response_mask": generated}
+        ... )
+        >>> print(show_row(row, 0, tok))
+        row 0: {}
+        Hi, [[there]]
+    """
+    record = decode_row(batch, index, tokenizer)
+    header = {k: v for k, v in record.items() if k != "spans"}
+    return f"row {index}: {json.dumps(header)}\n{marked_text(record, open_mark, close_mark)}"
+
+
 def decode_row(batch: DataProto, index: int, tokenizer: Any) -> dict[str, Any]:
     """One row as plain data: ids, score, end reason and the decoded prompt/response spans."""
     td = batch.batch
-    if td is None:
+    if td is None or not all(k in td for k in ("input_ids", "attention_mask", "response_mask")):
         raise ValueError(
-            "decode_row needs a DataProto with tensors (input_ids, attention_mask, "
-            f"response_mask), got batch=None; its columns are {batch.keys()}"
+            "decode_row needs a DataProto with tensors input_ids, attention_mask and "
+            f"response_mask; its columns are {batch.keys()}"
         )
+    if not -len(batch) <= index < len(batch):
+        raise IndexError(f"row {index} is out of range for a batch of {len(batch)} rows")
     row_spans = spans(
         td["input_ids"][index], td["attention_mask"][index], td["response_mask"][index]
     )

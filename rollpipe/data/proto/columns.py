@@ -206,17 +206,15 @@ def check_keys(
     wanted: tuple[Sequence[str], Sequence[str], Sequence[str]],
 ) -> None:
     """The batch, non_tensor_batch and meta_info keys in ``wanted`` all exist, else a
-    KeyError listing the keys there are."""
+    KeyError saying where the key is (or listing the keys there are)."""
+    from rollpipe.data.proto._keys import missing_key
+
     batch_keys = list(batch.keys()) if batch is not None else []
-    for kind, keys, have in zip(
-        ("batch", "non_tensor_batch", "meta_info"),
-        wanted,
-        (batch_keys, list(columns), list(meta)),
-        strict=True,
-    ):
+    parts = {"batch": batch_keys, "non_tensor_batch": list(columns), "meta_info": list(meta)}
+    for (kind, have), keys in zip(parts.items(), wanted, strict=True):
         for key in keys:
             if key not in have:
-                raise KeyError(f"{kind} key {key!r} not found; {kind} keys are {have}")
+                raise missing_key(key, kind, parts)
 
 
 def check_rename(old: Sequence[str], new: Sequence[str], present: Sequence[str]) -> None:

@@ -30,6 +30,7 @@ from rollpipe.data.proto._indexing import (
     normalize_index,
     repeat_counts,
 )
+from rollpipe.data.proto._keys import NonTensorColumns, current_name, missing_key
 from rollpipe.data.proto._meta import merge_meta_info
 from rollpipe.data.proto._persist import load_checked, pickled_state, save_checked
 from rollpipe.data.proto._tensordicts import join_tensordict, split_tensordict
@@ -67,9 +68,26 @@ class DataProto:
                 "dict of tensors"
             )
         self.batch: TensorDictBase | None = batch
-        self.non_tensor_batch: dict[str, np.ndarray] = args.object_columns(non_tensor_batch)
+        self.non_tensor_batch = args.object_columns(non_tensor_batch)
         self.meta_info: dict[str, Any] = dict(args.mapping_arg(meta_info, "meta_info"))
         self.check_consistency()
+
+    @property
+    def non_tensor_batch(self) -> dict[str, np.ndarray]:
+        """The non-tensor columns (1-D object arrays). A dict; a missing key's KeyError
+        says where the key is, and a renamed column reads under its old name with a
+        DeprecationWarning (``docs/changes.md``)."""
+        return self._non_tensor_batch
+
+    @non_tensor_batch.setter
+    def non_tensor_batch(self, columns: Mapping[str, np.ndarray]) -> None:
+        self._non_tensor_batch = NonTensorColumns(columns, self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickle (``__getstate__``'s three parts; older pickles hold the same)."""
+        self.batch = state["batch"]
+        self.non_tensor_batch = state["non_tensor_batch"]
+        self.meta_info = state["meta_info"]
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -149,6 +167,12 @@ class DataProto:
             f"non_tensor_batch={list(self.non_tensor_batch)}, meta_info={list(self.meta_info)})"
         )
 
+    def _key_parts(self) -> dict[str, list[str]]:
+        """The keys of each part, for KeyErrors that say where a key is."""
+        batch_keys = list(self.batch.keys()) if self.batch is not None else []
+        columns, meta = list(self.non_tensor_batch), list(self.meta_info)
+        return {"batch": batch_keys, "non_tensor_batch": columns, "meta_info": meta}
+
     def _derive(
         self, batch: TensorDictBase | None, columns: dict[str, np.ndarray], meta: dict[str, Any]
     ) -> DataProto:
@@ -165,7 +189,10 @@ class DataProto:
                 return self.batch.get(item)
             if item in self.non_tensor_batch:
                 return self.non_tensor_batch[item]
-            raise KeyError(f"no column {item!r}; columns are {self.keys()}")
+            new = current_name(item, self.non_tensor_batch)
+            if new is not item:
+                return self.non_tensor_batch[new]
+            raise missing_key(item, "columns", self._key_parts())
         if isinstance(item, (Tensor, np.ndarray)) and item.ndim == 0 and item.dtype != bool:
             item = int(item.item())
         if isinstance(item, (int, np.integer)) and not isinstance(item, bool):
@@ -337,7 +364,7 @@ class DataProto:
             raise ValueError(f"group_by needs at least one key, got {keys!r}")
         for key in names:
             if key not in self:
-                raise KeyError(f"group_by key {key!r} not found; columns are {self.keys()}")
+                raise missing_key(key, "columns", self._key_parts(), "group_by key")
         groups = group_indices({k: self[k] for k in names}, len(self))
         return {g: self._take(np.asarray(rows, dtype=np.int64)) for g, rows in groups.items()}
 
@@ -383,6 +410,15 @@ class DataProto:
     ) -> DataProto:
         """Read a DataProto written by ``save``."""
         return load_checked(path, map_location, DataProto)
+
+    # ----------------------------------------------------------------- reading rows
+    def show(self, index: int, tokenizer: Any) -> str:
+        """Row ``index`` as text, the spans the engine generated marked ``[[...]]``, after a
+        header of its ids and scores (``rollpipe.data.readable.show_row``; what
+        ``rollpipe inspect`` prints): ``print(batch.show(0, tokenizer))``."""
+        from rollpipe.data.readable import show_row
+
+        return show_row(self, index, tokenizer)
 
     # ----------------------------------------------------------------- ROLL and verl layouts
     def to_roll(self, **options: Any) -> DataProto:
