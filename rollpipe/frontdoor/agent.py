@@ -85,6 +85,10 @@ class AgentEnv:
             None: the dataset row of the spec, else the seed.
         timeout_s: the agent's time limit per episode (None: no limit).
         client_options: extra keywords for ``openai.AsyncOpenAI`` (``timeout``, ...).
+        keep_tools: a call without ``tools`` (the usual final "answer" call) is rendered
+            with the tools the agent sent last, so the trajectory stays one row; False:
+            rendered without tools, which starts a second row when the template puts
+            the tools in the prompt (:class:`~rollpipe.frontdoor.session.AgentSession`).
 
     The Rollout runs it through :meth:`run_episode` instead of the text-env loop. The
     AgentEnvs of one pipeline share one front door: it starts with the first episode
@@ -98,6 +102,7 @@ class AgentEnv:
         *,
         timeout_s: float | None = DEFAULT_AGENT_TIMEOUT_S,
         client_options: Mapping[str, Any] | None = None,
+        keep_tools: bool = True,
     ) -> None:
         if not callable(agent):
             raise ValueError(f"AgentEnv.agent must be an async function, got {agent!r}")
@@ -105,6 +110,9 @@ class AgentEnv:
             raise ValueError(f"AgentEnv.timeout_s must be > 0 or None, got {timeout_s!r}")
         self.agent, self.task, self.timeout_s = agent, task, timeout_s
         self.client_options = dict(client_options or {})
+        if not isinstance(keep_tools, bool):
+            raise ValueError(f"AgentEnv.keep_tools must be True or False, got {keep_tools!r}")
+        self.keep_tools = keep_tools
         self.door: FrontDoor | None = None
 
     def reset(self, seed: int, row: Any = None) -> Any:
@@ -137,7 +145,7 @@ class AgentEnv:
         import openai
 
         door = await self._door(engine, chat, settings)
-        session = door.open_session(spec, admit)
+        session = door.open_session(spec, admit, keep_tools=self.keep_tools)
         options = {"max_retries": 0, **self.client_options}
         if "http_client" not in options:  # plain http to this process: loading the CA
             # bundle for TLS would cost ~20 ms of the loop per episode, for nothing

@@ -171,11 +171,14 @@ class FrontDoor:
         admit: Callable[[], Awaitable[None]] | None = None,
         *,
         timeout_s: float | None = None,
+        keep_tools: bool = True,
     ) -> AgentSession:
         """A new session with a fresh key (``spec`` names the episode in its rows).
 
         ``timeout_s``: a session still open that long later ends (its key gets 401, its
         requests in flight are cancelled) and :meth:`finish` gives an errored trajectory.
+        ``keep_tools``: a call without ``tools`` is rendered with the session's last
+        tools, so it continues the row (:class:`AgentSession`).
         """
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"open_session: timeout_s must be > 0 or None, got {timeout_s!r}")
@@ -183,7 +186,7 @@ class FrontDoor:
             n = next(self._ids)
             spec = EpisodeSpec(n, n, n, "agent")
         key = "rp-" + secrets.token_urlsafe(24)
-        session = AgentSession(key, spec, self.chat, admit)
+        session = AgentSession(key, spec, self.chat, admit, keep_tools=keep_tools)
         self.sessions[key] = session
         if timeout_s is not None:
             self.engine.runtime.call_soon(self._expire_after, key, timeout_s)
@@ -309,7 +312,10 @@ class FrontDoor:
         except (GenerationTimeoutError, EngineError) as exc:
             raise engine_failed(session, exc) from exc
         gen, text = cut_at_stop(gen, request.stop, self.chat.decode_for_parsing)
-        action, message = session.record(request, prompt, gen, text, json_calls=json_calls)
+        constrained = params.structured_outputs is not None
+        action, message = session.record(
+            request, prompt, gen, text, json_calls=json_calls, constrained=constrained
+        )
         return completion_body(
             completion_id=self._completion_id(session),
             model=self.model_name,

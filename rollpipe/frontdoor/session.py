@@ -8,6 +8,12 @@ are kept, never re-tokenized. Otherwise (the agent edited its history, changed i
 tools, or the template re-rendered earlier turns) a new row of the same trajectory
 starts from a fresh render of the request, and ``prefix_breaks`` counts it.
 
+``keep_tools`` (default True): a request without ``tools`` is rendered with the tools
+the session was last sent, so the common agent whose final "answer" call leaves
+``tools`` out continues its row instead of starting a second one. The engine sees that
+render, so the row is still exactly the engine's tokens; only tools that differ (another
+set, or tools where there were none) start a new row.
+
 ``trajectory()`` turns the rows into a :class:`~rollpipe.agent.records.Trajectory`, a
 conversation-mode one as any chat env gives; the first turn of each later row is marked
 ``Turn.new_row`` (its ``prompt_ids`` are its whole prompt), so ``trajectory_rows`` gives
@@ -53,6 +59,7 @@ class Prompt:
     new_row: bool
     new: tuple[dict[str, Any], ...]
     dialog: Dialog
+    tools: tuple[dict[str, Any], ...] = ()  # the tools rendered (``keep_tools``: kept ones)
 
 
 class AgentSession:
@@ -60,6 +67,7 @@ class AgentSession:
 
     ``admit`` (the pipeline's admission, awaited before each engine request) holds
     requests while the pipeline is suspended. Requests of one session run one at a time.
+    ``keep_tools``: render a request without ``tools`` with the session's last tools.
     """
 
     def __init__(
@@ -68,8 +76,11 @@ class AgentSession:
         spec: EpisodeSpec,
         chat: ChatFormat,
         admit: Callable[[], Awaitable[None]] | None = None,
+        *,
+        keep_tools: bool = True,
     ) -> None:
         self.key, self.spec, self.chat, self.admit = key, spec, chat, admit
+        self.keep_tools = keep_tools
         self.rows: list[list[Turn]] = []
         self.prefix_breaks = 0
         self.calls = 0
@@ -91,12 +102,13 @@ class AgentSession:
         """The engine prompt of ``request`` (see the module doc); ``RequestError`` when the
         template cannot render its messages."""
         messages = list(request.messages)
+        tools = self.tools_for(request)
         dialog = self._dialog
         if (
             dialog is not None
             and self.rows
             and self.rows[-1]
-            and request.tools == self._tools
+            and tools == self._tools
             and len(messages) > len(dialog.messages)
             and messages[: len(dialog.messages)] == dialog.messages
         ):
@@ -107,14 +119,21 @@ class AgentSession:
             added, broke = self._rendering(lambda: trial.continuation(new, last))
             if not broke:
                 ids = self._context.extended(added)
-                return Prompt(ids, added, False, tuple(new), trial)
-        fresh = self._fresh_dialog(request)
+                return Prompt(ids, added, False, tuple(new), trial, tools)
+        fresh = self._fresh_dialog(tools)
         ids = self._rendering(lambda: fresh.first_prompt(messages))
-        return Prompt(CheckedIds(ids), ids, bool(self.rows), tuple(messages), fresh)
+        return Prompt(CheckedIds(ids), ids, bool(self.rows), tuple(messages), fresh, tools)
 
-    def _fresh_dialog(self, request: ChatRequest) -> Dialog:
+    def tools_for(self, request: ChatRequest) -> tuple[dict[str, Any], ...]:
+        """The tools ``request`` is rendered with: its own, or with ``keep_tools`` and
+        none sent, the session's last ones (see the module doc)."""
+        if request.tools or not self.keep_tools:
+            return request.tools
+        return self._tools
+
+    def _fresh_dialog(self, schemas: tuple[dict[str, Any], ...]) -> Dialog:
         try:
-            tools = tool_set(list(request.tools))
+            tools = tool_set(list(schemas))
         except ValueError as exc:
             raise RequestError(f"tools: {exc}", "tools") from exc
         dialog = Dialog(self.chat, tools)
@@ -168,13 +187,15 @@ class AgentSession:
         text: str | None = None,
         shown: Mapping[str, Any] | None = None,
         json_calls: bool = False,
+        constrained: bool = False,
     ) -> tuple[AssistantAction, dict[str, Any]]:
         """Add the call to the session; the parsed response and its assistant message.
         ``text``: the response's text when not its ids' (cut before a stop string).
         ``shown``: the message the client got when not the parsed one (streamed).
-        ``json_calls``: a forced call that came as JSON, not the model's markup."""
+        ``json_calls``: a forced call that came as JSON, not the model's markup.
+        ``constrained``: sampled under a grammar (``Turn.constrained``)."""
         if prompt.new_row or self._dialog is None:
-            self._tools = request.tools
+            self._tools = prompt.tools
             self.rows.append([])
             self.prefix_breaks += prompt.new_row
         self._dialog = dialog = prompt.dialog  # the conversation up to this call's prompt
@@ -204,6 +225,7 @@ class AgentSession:
             observation=messages_text([_shown(m) for m in prompt.new]),
             prefix_break=prompt.new_row,
             new_row=prompt.new_row,
+            constrained=constrained,
         )
         self.rows[-1].append(turn)
         self.tool_calls += len(action.tool_calls)

@@ -100,7 +100,13 @@ class StreamedAnswer:
             return response
         shown = None if chunks.whole else chunks.message()
         _, message = self.session.record(
-            request, prompt, gen, text, shown=shown, json_calls=json_calls
+            request,
+            prompt,
+            gen,
+            text,
+            shown=shown,
+            json_calls=json_calls,
+            constrained=params.structured_outputs is not None,
         )
         if chunks.whole:
             rest += chunks.whole_calls(message)
