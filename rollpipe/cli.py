@@ -51,10 +51,10 @@ SUMMARY_COLUMNS = (
 # What the columns mean, printed under the table: lines of at most 80 characters, so a
 # terminal of 80 columns breaks none of them mid-sentence.
 LEGEND = (
-    "score: mean episode score (the sum of its rewards) · turns: mean turns per episode",
-    "success: share of episodes the env marked solved · rows: trajectories in the batch",
-    "resp tokens: tokens the model generated · wait s: seconds get_batch waited for them",
-    "tokens/s: generated tokens per second (batch: since the start; total: over wait s)",
+    "score: mean episode score (sum of its rewards) · turns: mean turns per episode",
+    "success: share of episodes the env marked solved · rows: trajectories in batch",
+    "resp tokens: tokens the model generated · wait s: time get_batch waited for it",
+    "tokens/s: tokens generated per second (batch: since the start; total: ÷ wait s)",
 )
 
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
-from rollpipe.cli import main
+from rollpipe.cli import LEGEND, SUMMARY_COLUMNS, main
 
 
 def test_run_saves_batches_and_inspect_reads_them(tmp_path, tiny_model_path, capsys):
@@ -49,7 +50,15 @@ def test_run_saves_batches_and_inspect_reads_them(tmp_path, tiny_model_path, cap
     # the rate is tokens over the unrounded wait, which lies within 0.005 s of the shown one
     fastest, slowest = tokens / max(total_wait - 0.005, 1e-3), tokens / (total_wait + 0.005)
     assert slowest - 0.5 <= total_rate <= fastest + 0.5
-    assert "start-up" in printed
+    lines = printed.splitlines()
+    # a whole caption, and a legend that says what every column but the index means
+    assert any(re.fullmatch(r"\s*The run took \d+\.\d s, start-up included\.\s*", x) for x in lines)
+    legend = [
+        line for line in lines if line.startswith(("score:", "success:", "resp ", "tokens/s:"))
+    ]
+    assert legend == list(LEGEND) and all(len(line) <= 80 for line in legend)
+    explained = {part.split(":")[0].strip() for line in legend for part in line.split(" · ")}
+    assert explained == set(SUMMARY_COLUMNS) - {"batch"}
     assert sorted(p.name for p in out.iterdir()) == [
         "batch_0000.pt",
         "batch_0001.pt",
