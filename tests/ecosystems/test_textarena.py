@@ -1,5 +1,6 @@
 """TextArena through ``TextArenaEnv``: a real batch on vLLM, a player that wins the game's
-reward, the history sent once, invalid moves reported. ``nox -s textarena``."""
+reward, the history sent once, the player's own move never echoed back (whatever sender
+the game logs it with), invalid moves reported. ``nox -s textarena``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 pytest.importorskip("textarena", reason="TextArena is not installed: run `nox -s textarena`")
 
+import textarena
 from playing import conversation, first_prompts, known_rate, play, real_batch
 
 import rollpipe.envs.adapters.textarena as ta_adapter
@@ -17,6 +19,8 @@ from rollpipe.pipeline import PipelineConfig
 
 TA = "rollpipe.envs.adapters.textarena:TextArenaEnv"
 INTRO = "You are playing Guess The Number."
+HANOI = ["[A C]", "[A B]", "[C B]", "[A C]", "[B A]", "[B C]", "[A C]"]  # 3 disks, A to C
+ECHO = textarena.ObservationType.PLAYER_ACTION
 
 
 class BinarySearch:
@@ -72,3 +76,36 @@ def test_multi_player_games_and_unknown_ids_fail_when_the_config_is_built() -> N
         PipelineConfig(envs=[{"name": TA, "config": {"env_id": "TicTacToe-v0"}}])
     with pytest.raises(ValueError, match="GuessTheNumber-v0"):
         PipelineConfig(envs=[{"name": TA, "config": {"env_id": "GuessTheNumbr-v0"}}])
+
+
+@pytest.mark.parametrize(
+    ("env_id", "move", "sender", "new_state"),
+    [
+        ("TowerOfHanoi-v0-raw", "[A C]", -1, "C: [1]"),  # logged as the game's (-1)
+        ("GuessTheNumber-v0-raw", "[10]", 0, "The target number is"),  # as player 0's
+        ("Countdown-v0-raw", "[0 1 +]", ECHO, "Move history"),  # arguments swapped
+    ],
+)
+def test_the_players_move_is_not_echoed_whoever_the_game_logs_as_its_sender(
+    env_id: str, move: str, sender: object, new_state: str
+) -> None:
+    env = TextArenaEnv(env_id=env_id)
+    env.reset(0)
+    obs, _, _, _, info = env.step(move)
+    assert info["action_valid"]
+    assert sender in [logged[0] for logged in env.game.state.logs]  # the game's own record
+    assert move not in obs.splitlines() and "0" not in obs.splitlines()  # no echo
+    assert new_state in obs  # the game's answer to the move is there
+
+
+def test_a_solved_tower_of_hanoi_shows_each_move_once(tokenizer) -> None:
+    env = TextArenaEnv(env_id="TowerOfHanoi-v0-raw")
+    prompt, _ = env.reset(0)
+    moves = iter(HANOI)
+    trajectory = play(env, lambda _: next(moves), tokenizer, seed=0, turns=len(HANOI))
+    assert trajectory.end_reason == "terminated", trajectory.error
+    assert trajectory.success and trajectory.score == 1.0
+    text = conversation(trajectory, tokenizer)
+    for move in set(HANOI):  # in the model's turns (and the rules' example), never echoed
+        assert text.count(move) == HANOI.count(move) + prompt.count(move), move
+    assert "You moved disk 1 from A to C." in text and "C: [1]" in text

@@ -7,7 +7,8 @@ game (the id's entry point and settings, none of its wrappers) and maps:
 
 * observation: only what is new for the player since its last turn (the game's prompt on
   reset; then its messages, boards and invalid-move notices), one message a line; the
-  echo of the player's own action is left out (the model's turn already holds it);
+  echo of the player's own action (TextArena's ``PLAYER_ACTION`` message, whichever
+  sender the game logs it with) is left out: the model's turn already holds it;
 * action: the raw response; with ``format_actions=True`` (TextArena's default
   ``ActionFormattingWrapper``) a response with no ``[`` or ``]`` is sent as ``[response]``;
 * reward: 0 until the game ends, then the player's reward from the game (``close()``);
@@ -139,10 +140,21 @@ class TextArenaEnv:
 
     def _new_messages(self) -> str:
         """What the player has not seen yet, without the echo of its own moves."""
-        player, messages = self.game.get_observation()
-        own = self._ta.ObservationType.PLAYER_ACTION
-        lines = [m for sender, m, kind in messages if not (kind == own and sender == player)]
-        return "\n".join(str(m) for m in lines)
+        _, messages = self.game.get_observation()
+        echo = self._ta.ObservationType.PLAYER_ACTION
+        return "\n".join(str(m[1]) for m in messages if not _is_echo(m, echo))
 
     def close(self) -> None:
         """Nothing to release (TextArena's ``close`` only reports the result)."""
+
+
+def _is_echo(message: tuple[Any, ...], echo: Any) -> bool:
+    """Whether a TextArena message ``(sender, text, kind)`` logs the player's own move.
+
+    In a one-player game every ``PLAYER_ACTION`` message is the player's move, whoever
+    the game names as its sender: most games say player 0, some (``TowerOfHanoi``,
+    ``Wordle``) leave the default game sender (-1), and a few (``Countdown``,
+    ``Cryptarithm``, ``Slitherlink``) pass the arguments positionally in the wrong order,
+    so the kind lands in the sender's place (``(PLAYER_ACTION, 0, action)``).
+    """
+    return any(part is echo for part in message)
