@@ -162,7 +162,8 @@ class PipelineConfig:
     system_prompt, history_window, env_timeout_s, generation_timeout_s, reward_clip,
     raise_env_errors, on_length, length_penalty, max_aborts), ``rollout`` (concurrency,
     env_workers, env_backend, in_order), ``groups`` (keep_group, drop_group,
-    max_drops_in_a_row), ``collate`` (level, pad_to_multiple_of, layout).
+    max_drops_in_a_row, max_errors_in_a_row, max_error_seconds), ``collate`` (level,
+    pad_to_multiple_of, layout).
 
     ``batch_size`` counts trajectories and must be a multiple of ``group_size``.
 

@@ -115,10 +115,11 @@ def test_a_malformed_return_fails_the_episode_naming_env_and_field(
                 ),
             )
         )
-    # re-raised as itself (the type a user catches), with a note saying where
-    assert f"CorruptLake.{call}: {says}" in str(raised.value)
-    (note,) = raised.value.__notes__
-    assert note.startswith(f"rollpipe: raised in CorruptLake.{call}: env 'corrupt_lake', seed 2,")
+    # re-raised as itself (the type a user catches), its text saying where (issue 34)
+    text = str(raised.value)
+    assert text.startswith(f"CorruptLake.{call}: {says}")
+    assert f" (in CorruptLake.{call}: env 'corrupt_lake', seed 2, episode 0, turn " in text
+    assert not getattr(raised.value, "__notes__", None)
 
 
 @pytest.mark.parametrize("mode", ["four_tuple", "reward_nan", "reset_one_value"])
@@ -258,10 +259,11 @@ def test_an_errors_text_is_bounded_and_where_is_kept_whole(text: str, kind: type
         assert head.startswith(what[:100]) and head.endswith(f"... ({len(what)} chars)")
 
 
-def test_a_re_raised_error_keeps_its_type_and_gets_one_note() -> None:
+def test_a_re_raised_error_keeps_its_type_and_says_where_once() -> None:
     error = EnvTimeoutError("no return within 0.5 s")
-    for _ in range(2):  # the same exception object failing two episodes: noted once
+    for _ in range(2):  # the same exception object failing two episodes: said once
         with pytest.raises(EnvTimeoutError) as raised:
             EnvFailed(error, WHERE).reraise()
-    assert raised.value is error and str(error) == "no return within 0.5 s"
-    assert error.__notes__ == [f"rollpipe: raised in {WHERE}; raise env_timeout_s or fix the env"]
+    where = f"(in {WHERE}; raise env_timeout_s or fix the env)"
+    assert raised.value is error and str(error) == f"no return within 0.5 s {where}"
+    assert not getattr(error, "__notes__", None)

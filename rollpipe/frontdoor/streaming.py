@@ -6,13 +6,17 @@ queue, and :class:`~rollpipe.frontdoor.chunks.ChunkStream` turns them into chunk
 abort continues the answer from those ids (``generate_turn`` with ``on_tokens``). The
 call is recorded once the answer is whole, with the message the chunks add up to. A
 failure after the first event (engine error, time limit, a re-sent request) ends the
-stream with an OpenAI ``error`` event, which the ``openai`` client raises.
+stream with an OpenAI ``error`` event, which the ``openai`` client raises. A client that
+goes away mid-stream (a harness that gave up, a closed ``openai`` client) is normal for
+an agent: a generation still running is aborted (a call is recorded only once its answer
+is whole), and one DEBUG line says so (aiohttp would log a traceback for the failed write).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from typing import Any
 
@@ -29,7 +33,13 @@ from rollpipe.frontdoor.responses import logprobs_body
 from rollpipe.frontdoor.session import AgentSession, Prompt
 from rollpipe.frontdoor.stops import cut_at_stop
 
-__all__ = ["StreamedAnswer", "engine_failed"]
+__all__ = ["ClientGone", "StreamedAnswer", "engine_failed"]
+
+_log = logging.getLogger(__name__)
+
+
+class ClientGone(ConnectionError):
+    """The client closed the connection before the streamed answer was sent."""
 
 
 def engine_failed(session: AgentSession, exc: BaseException) -> RequestError:
@@ -38,9 +48,17 @@ def engine_failed(session: AgentSession, exc: BaseException) -> RequestError:
     return RequestError(f"the engine did not answer: {exc!r}", None, 500, "server_error")
 
 
+async def _write(response: web.StreamResponse, data: bytes | None) -> None:
+    """Write ``data`` (None: the end of the stream); ``ClientGone`` if the client left."""
+    try:
+        await (response.write_eof() if data is None else response.write(data))
+    except ConnectionError as exc:  # aiohttp's ClientConnectionResetError, a reset socket
+        raise ClientGone(f"the client went away: {exc}") from exc
+
+
 async def _send(response: web.StreamResponse, chunks: list[dict[str, Any]]) -> None:
     if chunks:  # one write for all of them
-        await response.write(b"".join(b"data: %s\n\n" % json.dumps(c).encode() for c in chunks))
+        await _write(response, b"".join(b"data: %s\n\n" % json.dumps(c).encode() for c in chunks))
 
 
 def _drained(queue: asyncio.Queue[list[int] | None], ids: list[int]) -> tuple[list[int], bool]:
@@ -79,6 +97,26 @@ class StreamedAnswer:
     ) -> web.StreamResponse:
         """Generate with ``params`` from ``prompt``, streaming; the finished response.
         ``json_calls``: a forced call that comes as JSON (``forced.py``)."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        try:
+            await self._answer(http, response, head, prompt, params, json_calls)
+        except ClientGone as gone:  # a generation still running was aborted (_generate)
+            spec = self.session.spec
+            _log.debug(
+                "FrontDoor: episode %s, call %s: %s", spec.episode_id, self.session.calls, gone
+            )
+        return response
+
+    async def _answer(
+        self,
+        http: web.Request,
+        response: web.StreamResponse,
+        head: dict[str, Any],
+        prompt: Prompt,
+        params: SamplingParams,
+        json_calls: bool,
+    ) -> None:
+        """``send``'s work: every write raises ``ClientGone`` once the client left."""
         chat, request = self.chat, self.request
         chunks = ChunkStream(
             head | {"created": int(time.time())},
@@ -89,15 +127,17 @@ class StreamedAnswer:
             list(prompt.ids),
             self.session.calls,
         )
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(http)
+        try:
+            await response.prepare(http)
+        except ConnectionError as exc:
+            raise ClientGone(f"the client went away: {exc}") from exc
         await _send(response, [chunks.first()])
         try:
             gen, text, rest = await self._generate(response, chunks, prompt, params)
         except (GenerationTimeoutError, EngineError, StreamBroken) as exc:
             await _send(response, [engine_failed(self.session, exc).body()])
-            await response.write_eof()
-            return response
+            await _write(response, None)
+            return
         shown = None if chunks.whole else chunks.message()
         _, message = self.session.record(
             request,
@@ -119,9 +159,8 @@ class StreamedAnswer:
             usage = {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
             rest.append({**chunks.head, "choices": [], "usage": usage})
         await _send(response, rest)
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+        await _write(response, b"data: [DONE]\n\n")
+        await _write(response, None)
 
     async def _generate(
         self,
@@ -150,6 +189,8 @@ class StreamedAnswer:
             gen = turn.result()
         finally:
             turn.cancel()  # the client went away, or the session ended: abort it
+            if turn.done() and not turn.cancelled():
+                turn.exception()  # retrieved: a failure after the client left is not logged
         decode = self.chat.decode_for_parsing
         gen, cut = cut_at_stop(gen, self.request.stop, decode)
         text = decode(list(gen.token_ids)) if cut is None else cut

@@ -5,12 +5,14 @@ members are in. With ``redundancy`` extra members running, the first ``group_siz
 finishers win and the rest are cancelled. A group that ``keep_group`` / ``drop_group``
 rejects, that is too stale, or that errored beyond what redundancy covers is dropped,
 counted (overall and per env tag), and replaced by a request for a new group, so a
-strict rule cannot starve the trainer. The rules themselves live in
+strict rule cannot starve the trainer. An env tag that gives nothing but errors ends the
+stream early (``rollpipe.nodes.error_runs``). The rules themselves live in
 ``rollpipe.nodes.group_rules``; :class:`GroupSettings` holds this stage's settings.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -18,9 +20,10 @@ from typing import Any
 import attrs
 from torchdata.nodes import BaseNode
 
-from rollpipe._utils.checks import check_int, int_in
+from rollpipe._utils.checks import check_int, check_timeout, int_in, seconds_or_none
 from rollpipe.agent.env_errors import error_entry
 from rollpipe.agent.records import Group, Trajectory
+from rollpipe.nodes.error_runs import ErrorRun, ErrorRuns
 from rollpipe.nodes.group_rules import (
     DROP_RULES,
     KEEP_RULES,
@@ -60,12 +63,20 @@ class GroupSettings:
     ``filter()`` polarity): a callable ``Group -> bool``, a registered name
     (``KEEP_RULES`` / ``DROP_RULES``) or an import path ``"package.module:function"``.
     ``max_drops_in_a_row``: groups dropped one after another, none kept, before the
-    assembler gives up with an error (at most ``MAX_DROPS_IN_A_ROW``).
+    assembler gives up with an error (at most ``MAX_DROPS_IN_A_ROW``); for any drop
+    reason, filtered groups included, so it is large.
+    ``max_errors_in_a_row``: errored trajectories of one kind (exception type and call)
+    that one env tag gives with no usable trajectory between them before the assembler
+    gives up early (``rollpipe.nodes.error_runs``); ``max_error_seconds``: how long an env
+    tag may give only errors (at least ``TIMED_MIN_ERRORS``) before it gives up (None: no
+    time limit). Neither counts filtered, stale or empty groups.
     """
 
     keep_group: str | GroupRule | None = attrs.field(default=None, validator=check_group_rule)
     drop_group: str | GroupRule | None = attrs.field(default=None, validator=check_group_rule)
     max_drops_in_a_row: int = attrs.field(default=1000, validator=int_in(1, MAX_DROPS_IN_A_ROW))
+    max_errors_in_a_row: int = attrs.field(default=64, validator=int_in(1, MAX_DROPS_IN_A_ROW))
+    max_error_seconds: float | None = attrs.field(default=60.0, validator=seconds_or_none())
 
 
 class GroupAssembler(BaseNode[Group]):
@@ -90,6 +101,12 @@ class GroupAssembler(BaseNode[Group]):
             ``next()`` gives up with an error naming the reasons, the settings behind them
             and the last env errors (``rollpipe.nodes.starved``; a rule that rejects
             everything the policy produces would otherwise request replacements forever).
+        max_errors_in_a_row: errored trajectories of one kind from one env tag, none of
+            its trajectories usable in between, before ``next()`` gives up early with
+            that error (``rollpipe.nodes.error_runs``).
+        max_error_seconds: how long one env tag may give only errors (at least
+            ``TIMED_MIN_ERRORS`` of them) before ``next()`` gives up early; None: no limit.
+        clock: the time in seconds for ``max_error_seconds`` (``time.monotonic``).
 
     Each yielded group carries ``drops``: the counts of what was dropped since the
     previous yielded group (``filtered``, ``stale``, ``errored``, ``empty`` groups;
@@ -117,9 +134,14 @@ class GroupAssembler(BaseNode[Group]):
         current_version: Callable[[], int] | None = None,
         signals: UpstreamSignals | None = None,
         max_drops_in_a_row: int = 1000,
+        max_errors_in_a_row: int = 64,
+        max_error_seconds: float | None = 60.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__()
         check_int("GroupAssembler.max_drops_in_a_row", max_drops_in_a_row, 1)
+        check_int("GroupAssembler.max_errors_in_a_row", max_errors_in_a_row, 1)
+        check_timeout("GroupAssembler.max_error_seconds", max_error_seconds)
         check_int("GroupAssembler.group_size", group_size, 1)
         check_int("GroupAssembler.redundancy", redundancy, 0)
         if max_staleness is not None:
@@ -138,6 +160,7 @@ class GroupAssembler(BaseNode[Group]):
         self.current_version = current_version
         self.signals = signals
         self.max_drops_in_a_row = max_drops_in_a_row
+        self._runs = ErrorRuns(max_errors_in_a_row, max_error_seconds, clock)
         self._clear()
 
     @classmethod
@@ -156,6 +179,8 @@ class GroupAssembler(BaseNode[Group]):
             keep_group=settings.keep_group,
             drop_group=settings.drop_group,
             max_drops_in_a_row=settings.max_drops_in_a_row,
+            max_errors_in_a_row=settings.max_errors_in_a_row,
+            max_error_seconds=settings.max_error_seconds,
             **wiring,
         )
 
@@ -170,6 +195,7 @@ class GroupAssembler(BaseNode[Group]):
         self._group_drops: Counter[str] = Counter()  # groups dropped since one was kept
         self.total_drops: Counter[str] = Counter()  # since the last reset; for progress displays
         self.total_tag_drops: dict[str, Counter[str]] = {}  # the same, by env tag
+        self._runs.restart()
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -217,17 +243,22 @@ class GroupAssembler(BaseNode[Group]):
             self._drop(drop_reason, tag)
             self._group_drops[drop_reason] += 1
             if sum(self._group_drops.values()) >= self.max_drops_in_a_row:
-                raise RuntimeError(
-                    starved_message(
-                        self._group_drops,
-                        self._error_log,
-                        redundancy=self.redundancy,
-                        keep_group=self.keep_group,
-                        drop_group=self.drop_group,
-                        staleness=self.max_staleness,
-                        max_drops_in_a_row=self.max_drops_in_a_row,
-                    )
-                )
+                raise self._starved()
+
+    def _starved(self, run: ErrorRun | None = None) -> RuntimeError:
+        """The error that ends the stream: too many drops in a row, or a ``run`` of errors."""
+        return RuntimeError(
+            starved_message(
+                self._group_drops,
+                self._error_log,
+                redundancy=self.redundancy,
+                keep_group=self.keep_group,
+                drop_group=self.drop_group,
+                staleness=self.max_staleness,
+                max_drops_in_a_row=self.max_drops_in_a_row,
+                run=run,
+            )
+        )
 
     @property
     def pending_drops(self) -> dict[str, int]:
@@ -264,6 +295,9 @@ class GroupAssembler(BaseNode[Group]):
     def _log_error(self, traj: Trajectory) -> None:
         self._error_log.append(error_entry(traj))
         del self._error_log[:-MAX_ERRORS_KEPT]
+        run = self._runs.errored(traj)
+        if run is not None:
+            raise self._starved(run)
 
     def _forget_settled(self) -> None:
         """Forget closed ids no member of which can arrive any more (bounded memory)."""
@@ -276,6 +310,8 @@ class GroupAssembler(BaseNode[Group]):
         gid, tag = traj.group_id, traj.tag
         if traj.end_reason == "error":
             self._log_error(traj)
+        elif traj.turns:
+            self._runs.usable(tag)
         if gid in self._closed:
             late = "errored_trajectories" if traj.end_reason == "error" else "redundant"
             self._drop(late, tag)

@@ -37,6 +37,7 @@ from torchdata.nodes import BaseNode
 from rollpipe._utils.checks import instance_of, int_in, one_of, optional
 from rollpipe._utils.threads import shutdown_within
 from rollpipe.agent.chat import ChatFormat
+from rollpipe.agent.env_errors import FirstErrors
 from rollpipe.agent.env_pool import EnvForSpec, EnvPool
 from rollpipe.agent.env_threads import EnvLease, EnvThreads
 from rollpipe.agent.episode import EpisodeSettings, run_episode
@@ -123,6 +124,7 @@ class Rollout(BaseNode[Trajectory]):
         self.signals.add_listener(self._wakeup.notify)
         self._driver: asyncio.Task[None] | None = None
         self._closed = False
+        self._first_errors = FirstErrors()  # a WARNING per env tag and error type, once
         self._clear()
 
     # -- bookkeeping (loop thread only) -----------------------------------------------
@@ -287,7 +289,8 @@ class Rollout(BaseNode[Trajectory]):
             self._fail(error)
             return
         else:
-            self._finish(index, task.result())
+            self._first_errors.saw(result := task.result())
+            self._finish(index, result)
         self._wakeup.notify()
 
     def _cancel_unwanted(self) -> None:
