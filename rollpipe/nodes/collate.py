@@ -59,7 +59,8 @@ class Collate(BaseNode[DataProto]):
 
     ``level="trajectory"`` gives one row per trajectory (an agent trajectory whose calls
     do not extend each other: one per part, ``Turn.new_row``); ``level="step"`` one row
-    per turn (GiGPO style). ``docs/dataproto.md`` lists every field. Metrics of the trajectories, overall and per env tag, go to
+    per turn (GiGPO style). ``docs/dataproto.md`` lists every field. Metrics of the
+    trajectories, overall and per env tag, go to
     ``meta_info["metrics"]``; the errored trajectories dropped before these groups (the
     most recent ``MAX_ERRORS_KEPT`` per group; ``dropped/errored_trajectories`` counts
     them all) to ``meta_info["env_errors"]``: dicts with ``env``, ``tag``, ``seed``,
