@@ -20,6 +20,7 @@ pytest.importorskip("trl")
 from trl import GRPOConfig, GRPOTrainer
 
 from rollpipe import PipelineConfig, RolloutPipeline
+from rollpipe.corrections import versions_behind
 from rollpipe.engines.hf import HFEngine
 from rollpipe.integrations.trl import (
     FinalWeights,
@@ -152,6 +153,7 @@ def test_grpo_trainer_trains_on_rollpipe_rollouts(tmp_path: Path) -> None:
         batch, out = call["batch"], call["out"]
         versions = batch.batch["policy_versions"][batch.batch["response_mask"]]
         assert set(versions.tolist()) == {call["version"]}
+        assert not versions_behind(batch, current_version=call["step"]).any()  # on-policy
         assert out == {**trl_fields(batch), "rollpipe_metrics": out["rollpipe_metrics"]}
         for i in range(len(out["prompt_ids"])):
             real = batch.batch["attention_mask"][i].bool()
