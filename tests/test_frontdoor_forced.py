@@ -17,8 +17,8 @@ from tool_support import add, divide, tools_model_path
 
 from rollpipe.agent.tools import tool_set
 from rollpipe.frontdoor.chunks import parser_class
-from rollpipe.frontdoor.forced import forced_action, forced_outputs
-from rollpipe.frontdoor.requests import parse_chat_request
+from rollpipe.frontdoor.forced import forced_action, forced_outputs, object_tools
+from rollpipe.frontdoor.requests import RequestError, parse_chat_request
 
 TOOLS = [dict(s) for s in tool_set([add, divide]).schemas]
 NAMED = {"type": "function", "function": {"name": "add"}}
@@ -75,11 +75,12 @@ def test_an_answer_that_is_not_the_json_asked_for_is_malformed(text: str, choice
         assert not action.tool_calls and vllm_calls(text, "required") == []
 
 
-def forced(choice: Any, parser: str | None, parallel: bool | None = None) -> Any:
+def forced(choice: Any, parser: str | None, parallel: bool | None = None, tools: Any = None) -> Any:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tools_model_path()))
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
+    tools = TOOLS if tools is None else tools
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools}
     body |= {"tool_choice": choice, "parallel_tool_calls": parallel}
     return forced_outputs(parse_chat_request(body), tok, parser_class(tok, parser, None))
 
@@ -87,13 +88,17 @@ def forced(choice: Any, parser: str | None, parallel: bool | None = None) -> Any
 def test_the_constraint_is_the_one_vllm_picks_for_the_parser() -> None:
     from vllm.tool_parsers.utils import get_json_schema_from_tools
 
-    # hermes has a structural tag: the model's own markup, the function name fixed
+    # hermes has a structural tag: the model's own markup, the function name fixed, the
+    # arguments held to the tool's schema though the tool does not say "strict"
+    assert all("strict" not in t["function"] for t in TOOLS)
     outputs, json_calls = forced(NAMED, "hermes")
     tags = json.loads(outputs["structural_tag"])["format"]["tags"]
     assert tags and all(
         t["begin"].startswith("<tool_call>") and '{"name": "add", "arguments": ' in t["begin"]
         for t in tags
     )
+    schema = TOOLS[0]["function"]["parameters"]
+    assert all(t["content"]["json_schema"] == schema for t in tags)
     assert all(t["end"].endswith("</tool_call>") for t in tags) and not json_calls
     # a JSON-path parser, or none: vLLM's JSON schema
     for parser in ("pythonic", None):
@@ -104,3 +109,42 @@ def test_the_constraint_is_the_one_vllm_picks_for_the_parser() -> None:
     names = {s["properties"]["name"]["enum"][0] for s in outputs["json"]["items"]["anyOf"]}
     assert names == {"add", "divide"}
     assert callable(get_json_schema_from_tools)  # what forced_outputs builds them with
+
+
+@pytest.mark.parametrize("parser", ["hermes", None])
+@pytest.mark.parametrize(
+    ("parameters", "schema"),
+    [
+        (None, {"type": "object"}),  # no parameters: any object
+        (
+            {"properties": {"q": {"type": "string"}}},
+            {"type": "object", "properties": {"q": {"type": "string"}}},
+        ),
+    ],
+)
+def test_arguments_are_an_object_even_without_an_object_schema(
+    parser: str | None, parameters: Any, schema: Any
+) -> None:
+    function: dict[str, Any] = {"name": "look", "strict": False}  # strict or not: held
+    if parameters is not None:
+        function["parameters"] = parameters
+    named = {"type": "function", "function": {"name": "look"}}
+    outputs, _ = forced(named, parser, tools=[{"type": "function", "function": function}])
+    if parser is None:
+        assert outputs == {"json": schema}
+    else:
+        tags = json.loads(outputs["structural_tag"])["format"]["tags"]
+        assert tags and all(t["content"]["json_schema"] == schema for t in tags)
+
+
+def test_a_forced_call_of_a_tool_whose_schema_is_not_an_object_is_refused() -> None:
+    tools = [
+        TOOLS[0],
+        {"type": "function", "function": {"name": "s", "parameters": {"type": "string"}}},
+    ]
+    with pytest.raises(
+        RequestError, match=r"tools\[1\]\.function\.parameters has type 'string'"
+    ) as info:
+        forced("required", "hermes", tools=tools)
+    assert info.value.param == "tools[1].function.parameters"
+    assert object_tools(tools[:1]) == tools[:1]  # an object schema is kept as it is

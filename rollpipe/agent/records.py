@@ -133,6 +133,11 @@ class Turn:
     ``new_row``: this turn's ``prompt_ids`` are its whole prompt, with no earlier turn's
     ids before them (an agent that rewrote its history, ``rollpipe.frontdoor``): rows
     built from the trajectory start a new row here.
+
+    ``constrained``: every response token was sampled under a grammar (a forced tool
+    call's structured outputs, ``rollpipe.frontdoor.forced``), so ``logprobs`` are the
+    engine's logprobs of the grammar-masked, renormalised distribution, not the policy's;
+    rows mark these tokens in ``constrained_mask``.
     """
 
     prompt_ids: tuple[int, ...] = attrs.field(converter=_ints)
@@ -147,6 +152,7 @@ class Turn:
     stepped: bool = attrs.field(default=True, converter=bool)
     prefix_break: bool = attrs.field(default=False, converter=bool)
     new_row: bool = attrs.field(default=False, converter=bool)
+    constrained: bool = attrs.field(default=False, converter=bool)
     # Packed copies for collation, made here, on the rollout loop while the engine
     # generates, so building a batch copies arrays instead of converting Python ints.
     # ``prompt_array``: ``prompt_ids`` already packed (the episode has them packed with
@@ -213,6 +219,7 @@ class Turn:
             "stepped": self.stepped,
             "prefix_break": self.prefix_break,
             "new_row": self.new_row,
+            "constrained": self.constrained,
         }
 
     @classmethod
@@ -230,6 +237,7 @@ class Turn:
             stepped=state["stepped"],
             prefix_break=state.get("prefix_break", False),  # absent in older checkpoints
             new_row=state.get("new_row", False),
+            constrained=state.get("constrained", False),
         )
 
 

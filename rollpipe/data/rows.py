@@ -18,6 +18,9 @@ prompt_mask        bool     1 on the tokens before the row's first generated tok
 scores             float32  the row's score on its last token, 0 elsewhere
 infer_logprobs     float32  engine logprob of each generated token, 0 elsewhere
 policy_versions    int64    policy version that generated each token, -1 elsewhere
+constrained_mask   bool     1 on generated tokens sampled under a grammar (a forced
+                            tool call: ``Turn.constrained``), 0 elsewhere; inside
+                            ``response_mask``
 traj_group_id      int64    ``[B]`` group id
 traj_id            int64    ``[B]`` episode id (unique per trajectory)
 env_ids            int64    ``[B]`` env id (the env slot that ran the episode)
@@ -61,10 +64,10 @@ class _Stream:
     """Every turn's prompt and response ids of a batch, converted to tensors once.
 
     ``ids`` holds each trajectory's segments (prompt 0, response 0, prompt 1, ...) one
-    trajectory after another; ``logprobs`` and ``versions`` hold only the response tokens,
-    in the same order. ``starts[k]`` is where trajectory ``k`` begins in ``ids``. Each
-    ``Turn`` carries its ids and logprobs packed as arrays (made when the turn was
-    recorded), so this is one concatenation per field, at memory-copy speed.
+    trajectory after another; ``logprobs``, ``versions`` and ``constrained`` hold only the
+    response tokens, in the same order. ``starts[k]`` is where trajectory ``k`` begins in
+    ``ids``. Each ``Turn`` carries its ids and logprobs packed as arrays (made when the
+    turn was recorded), so this is one concatenation per field, at memory-copy speed.
     """
 
     def __init__(self, trajectories: Sequence[Trajectory]) -> None:
@@ -74,6 +77,9 @@ class _Stream:
         self.ids = torch.from_numpy(np.concatenate(pieces))
         self.logprobs = torch.from_numpy(np.concatenate([u.logprob_array for u in turns]))
         self.versions = _versions([u.versions for u in turns], n_resp)
+        flags = np.array([u.constrained for u in turns], dtype=np.bool_)
+        lengths = [len(u.response_ids) for u in turns]
+        self.constrained = torch.from_numpy(np.repeat(flags, lengths))
         sizes = [
             sum(len(u.prompt_ids) + len(u.response_ids) for u in t.turns) for t in trajectories
         ]
@@ -139,6 +145,7 @@ class _Rows:
         # response tokens in row-major order are the stream's response tokens, in order
         infer_logprobs = layout.pad(stream.logprobs, 0.0, where=response_mask)
         policy_versions = layout.pad(stream.versions, -1, where=response_mask)
+        constrained_mask = layout.pad(stream.constrained, False, where=response_mask)
         return {
             "input_ids": tokens.input_ids,
             "attention_mask": tokens.attention_mask,
@@ -148,6 +155,7 @@ class _Rows:
             "scores": self._scores(layout),
             "infer_logprobs": infer_logprobs,
             "policy_versions": policy_versions,
+            "constrained_mask": constrained_mask,
         }
 
     def _ids(self, stream: _Stream) -> torch.Tensor:

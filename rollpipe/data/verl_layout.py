@@ -114,9 +114,11 @@ def verl_parts(
     verl's ``compute_position_id_with_mask``), ``rollout_log_probs`` float32 ``[B, R]``
     (engine logprobs, 0 off generated tokens), ``rm_scores`` float32 ``[B, R]`` (the
     row's score on its last response token), ``policy_versions`` int64 ``[B, R]`` (-1 off
-    generated tokens). Other per-token native tensors are cut to ``[B, R]`` the same way
-    (verl's per-token tensors are response-side); per-row ones (``traj_group_id``,
-    ``traj_id``, ``env_ids``, ``episode_scores``, ``step``, ``state_hash``) are kept.
+    generated tokens), ``constrained_mask`` int64 ``[B, R]`` (1 on generated tokens
+    sampled under a grammar, inside ``response_mask``). Other per-token native tensors are
+    cut to ``[B, R]`` the same way (verl's per-token tensors are response-side); per-row
+    ones (``traj_group_id``, ``traj_id``, ``env_ids``, ``episode_scores``, ``step``,
+    ``state_hash``) are kept.
 
     Object columns: ``uid`` (GRPO's grouping key: the readable group id), ``__num_turns__``
     (int32: the first prompt, then a response and an observation per later turn, as
@@ -164,6 +166,8 @@ def verl_parts(
     for key, value in tensors.items():
         if key not in _CONSUMED:
             out[key] = response.take(value, 0) if per_token(value, rows, width) else value
+    if "constrained_mask" in out:  # a mask beside response_mask: verl's int64, as it is
+        out["constrained_mask"] = out["constrained_mask"].to(torch.int64)
     versions = out["policy_versions"].masked_fill(~generated, -1)
     out_columns = {
         "uid": object_array(str(u) for u in columns["uid"]),
