@@ -8,7 +8,11 @@ expects and gem leaves out:
 * the observation is gem's ``prefix + observation + suffix``, as gem's own observation
   wrapper builds it, but without the history it would prepend: rollpipe keeps the
   conversation itself;
-* ``info["success"]``: the step ended the episode with gem's success reward (1.0);
+* ``info["success"]``: the step ended the episode solved: a game's own solved message
+  (every gem game announces a solve with "Congratulations!", whatever it pays: Sudoku,
+  Minesweeper and Crosswords pay a share per cell, Hangman and 2048 partial rewards) or
+  gem's success reward (1.0, what a single-answer env — ``rg:``, ``math:``, ``qa:``,
+  ``code:`` — pays a right answer);
 * ``info["metrics"]``: ``success`` (last), ROLL's name, so ``env/{tag}/success`` is logged;
 * each env draws from a private copy of the global ``random`` state (gem seeds and
   draws from the global one), so concurrent episodes stay reproducible.
@@ -35,6 +39,10 @@ from rollpipe.envs.base import EnvStateError, Info, StepResult, check_seed
 
 SUCCESS_REWARD = 1.0
 """gem's ``LanguageGameReward.success_reward``: the reward of a solved task."""
+
+SOLVED_MESSAGE = "Congratulations!"
+"""How every gem game's observation starts on the step that solves it (gem has no solved
+flag; a game's partial rewards do not tell a solve from progress)."""
 
 
 def _import_gem() -> Any:
@@ -101,7 +109,9 @@ class GemEnv:
             obs, reward, terminated, truncated, info = self.env.step(action_text)
         terminated, truncated = bool(terminated), bool(truncated)
         self._done = terminated or truncated
-        success = terminated and float(reward) >= SUCCESS_REWARD
+        success = terminated and (
+            str(obs).startswith(SOLVED_MESSAGE) or float(reward) >= SUCCESS_REWARD
+        )
         info = {
             **info,
             "action": info.get("parsed_action"),
