@@ -5,17 +5,19 @@ real vLLM engine."""
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import attrs
 import pytest
 from tool_support import RELEASE, ScriptedEngine, add, call, divide, hang, tools_model_path
 
+from rollpipe.agent.chat import DEFAULT_SYSTEM_PROMPT
 from rollpipe.agent.episode import EpisodeSettings, run_episode
 from rollpipe.agent.records import EpisodeSpec, Trajectory
 from rollpipe.data.rows import step_rows, trajectory_rows
 from rollpipe.envs.calculator import calculator_env, last_number_matches
-from rollpipe.envs.tool_env import ToolEnv
+from rollpipe.envs.tool_env import DEFAULT_TOOL_PROMPT, ToolEnv
 
 EOT = "<|im_end|>"
 SETTINGS = EpisodeSettings(
@@ -259,3 +261,48 @@ def test_tool_episodes_in_roll_and_verl_layouts(tool_tokenizer: Any) -> None:
     steps = step_rows([traj], pad_token_id=0)
     assert int(to_roll(steps).batch["response_mask"].sum()) == generated
     assert int(verl_parts(steps)[0]["response_mask"].sum()) == generated
+
+
+@pytest.mark.parametrize(
+    ("system_prompt", "expected"),
+    [
+        (DEFAULT_TOOL_PROMPT, DEFAULT_TOOL_PROMPT),
+        ("Answer with the tools.", "Answer with the tools."),
+        (None, None),
+    ],
+)
+def test_tool_env_episodes_get_its_own_system_prompt(
+    tool_tokenizer: Any, system_prompt: str | None, expected: str | None
+) -> None:
+    """Not the pipeline's text-game prompt: ToolEnv's (overridable; None: none), ahead of
+    the template's tools block."""
+    kw = {} if system_prompt == DEFAULT_TOOL_PROMPT else {"system_prompt": system_prompt}
+    traj, engine = run(tool_tokenizer, ["5" + EOT], **kw)
+    first = tool_tokenizer.decode(engine.prompts[0])
+    assert DEFAULT_SYSTEM_PROMPT not in first
+    assert first.startswith("<|im_start|>system\n")
+    if expected is None:
+        assert first.startswith("<|im_start|>system\n# Tools\n")
+    else:
+        assert first.startswith(f"<|im_start|>system\n{expected}\n\n# Tools\n")
+    assert traj.score == 1.0
+
+
+@pytest.mark.parametrize("bad", [3, ["a prompt"], b"bytes"])
+def test_tool_env_rejects_a_system_prompt_that_is_not_text(bad: Any) -> None:
+    with pytest.raises(
+        ValueError, match=r"ToolEnv.system_prompt must be a str or None.*" + re.escape(repr(bad))
+    ):
+        env(system_prompt=bad)
+
+
+def test_calculator_env_passes_its_system_prompt_on() -> None:
+    default, custom = calculator_env(), calculator_env(system_prompt="Use calculate.")
+    try:
+        assert (default.system_prompt, custom.system_prompt) == (
+            DEFAULT_TOOL_PROMPT,
+            "Use calculate.",
+        )
+    finally:
+        default.close()
+        custom.close()

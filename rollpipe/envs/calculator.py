@@ -15,7 +15,7 @@ import random
 import re
 from typing import Any
 
-from rollpipe.envs.tool_env import ToolEnv
+from rollpipe.envs.tool_env import DEFAULT_TOOL_PROMPT, ToolEnv
 
 __all__ = ["calculate", "calculator_env", "calculator_task", "last_number_matches"]
 
@@ -74,9 +74,13 @@ def last_number_matches(answer: str, truth: Any) -> float:
 
 
 def calculator_env(
-    digits: int = 3, max_tool_turns: int = 3, tool_timeout_s: float | None = 5.0
+    digits: int = 3,
+    max_tool_turns: int = 3,
+    tool_timeout_s: float | None = 5.0,
+    system_prompt: str | None = DEFAULT_TOOL_PROMPT,
 ) -> ToolEnv:
-    """The calculator task as a :class:`ToolEnv` (see the module doc)."""
+    """The calculator task as a :class:`ToolEnv` (see the module doc); ``system_prompt``
+    as in :class:`ToolEnv`."""
     if not isinstance(digits, int) or not 1 <= digits <= 12:
         raise ValueError(f"calculator_env: digits must be an int in [1, 12], got {digits!r}")
     return ToolEnv(
@@ -85,4 +89,5 @@ def calculator_env(
         last_number_matches,
         max_tool_turns=max_tool_turns,
         tool_timeout_s=tool_timeout_s,
+        system_prompt=system_prompt,
     )

@@ -5,6 +5,9 @@ Each turn the model either calls tools — the env runs them
 limit, bad calls answered with what was wrong) and answers with one ``tool`` message per
 call — or answers in plain content, which ends the episode with the verifier's reward.
 Only the given callables ever run: nothing the model writes is executed as code.
+Its episodes get their own system prompt (``system_prompt``, :data:`DEFAULT_TOOL_PROMPT`
+unless given) ahead of the template's tools block, not the pipeline's, which is written
+for text games.
 
 Example (a custom tool env)::
 
@@ -35,10 +38,16 @@ from rollpipe.agent.tool_runner import ToolRunner
 from rollpipe.agent.tools import Tool, ToolSet
 from rollpipe.envs.base import EnvStateError, Info, check_seed
 
-__all__ = ["ToolEnv"]
+__all__ = ["DEFAULT_TOOL_PROMPT", "ToolEnv"]
 
 Task = Callable[[int], tuple[str, Any]]
 Verifier = Callable[[str, Any], float]
+
+DEFAULT_TOOL_PROMPT = (
+    "You are an assistant with tools. Call a tool when it helps, then give the final "
+    "answer in plain text."
+)
+"""ToolEnv's system prompt (the pipeline's default is written for text games)."""
 
 
 class ToolEnv:
@@ -52,6 +61,9 @@ class ToolEnv:
         max_tool_turns: turns of tool calls before the episode is truncated (reward 0).
         tool_timeout_s: limit of one tool call (None: none).
         max_threads: worker threads for blocking tools.
+        system_prompt: the system message of this env's episodes, before the tools
+            block (the pipeline's ``system_prompt`` is for text games); None sends no
+            system message of its own (the template still writes the tools block).
     """
 
     step_input: ClassVar[Literal["action"]] = "action"
@@ -65,6 +77,7 @@ class ToolEnv:
         max_tool_turns: int = 4,
         tool_timeout_s: float | None = 10.0,
         max_threads: int = 2,
+        system_prompt: str | None = DEFAULT_TOOL_PROMPT,
     ) -> None:
         if not callable(task) or not callable(verifier):
             raise ValueError(
@@ -73,6 +86,12 @@ class ToolEnv:
             )
         if not isinstance(max_tool_turns, int) or max_tool_turns < 1:
             raise ValueError(f"ToolEnv.max_tool_turns must be an int >= 1, got {max_tool_turns!r}")
+        if system_prompt is not None and not isinstance(system_prompt, str):
+            raise ValueError(
+                f"ToolEnv.system_prompt must be a str or None (no system message), "
+                f"got {system_prompt!r}"
+            )
+        self.system_prompt = system_prompt
         self.tools = ToolSet(tools)
         self.task, self.verifier, self.max_tool_turns = task, verifier, max_tool_turns
         self.runner = ToolRunner(self.tools, timeout_s=tool_timeout_s, max_threads=max_threads)

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from rollpipe.engines.records import SamplingParams
+from rollpipe.envs.tool_env import DEFAULT_TOOL_PROMPT
 from rollpipe.training.expert import RESPONSE, ExpertEpisode
 
 __all__ = ["TOOL_EPISODE", "expert_episodes", "expert_policy", "expert_texts"]
@@ -85,15 +86,22 @@ def _episode(ids: np.ndarray, response: np.ndarray, seed: int, score: float) -> 
 
 
 def expert_episodes(
-    tokenizer: Any, episodes: int, seed: int, *, digits: int = 3, chunk: int = 1024
+    tokenizer: Any,
+    episodes: int,
+    seed: int,
+    *,
+    digits: int = 3,
+    system_prompt: str | None = DEFAULT_TOOL_PROMPT,
+    chunk: int = 1024,
 ) -> Iterator[ExpertEpisode]:
-    """``episodes`` expert calculator episodes (``digits``-digit numbers) on seeds derived
-    from ``seed``, played through a RolloutPipeline on a ScriptedEngine (module doc)."""
+    """``episodes`` expert calculator episodes (``digits``-digit numbers, the env's
+    ``system_prompt``) on seeds derived from ``seed``, played through a RolloutPipeline
+    on a ScriptedEngine (module doc)."""
     from rollpipe.engines.scripted import ScriptedEngine
     from rollpipe.nodes.episode_source import EnvChoice
     from rollpipe.pipeline import PipelineConfig, RolloutPipeline
 
-    env_config: dict[str, Any] = {"digits": digits}
+    env_config: dict[str, Any] = {"digits": digits, "system_prompt": system_prompt}
     config = PipelineConfig(
         envs=EnvChoice("calculator", env_config),
         group_size=1,

@@ -29,6 +29,7 @@ import attrs
 import torch
 
 from rollpipe._utils.seeding import derive_seed
+from rollpipe.envs.tool_env import DEFAULT_TOOL_PROMPT
 from rollpipe.training.sft import length_batches, train_sft
 from rollpipe.training.tool_expert import expert_episodes
 from rollpipe.training.warm_start_files import (
@@ -53,12 +54,13 @@ _log = logging.getLogger(__name__)
 @attrs.frozen(kw_only=True)
 class ToolWarmStartRecipe:
     """Everything that decides the tools warm start's weights: the task (``digits`` of
-    the calculator's numbers), the model's size, the expert data (``episodes`` distinct
-    expert episodes, read ``steps * batch_size`` times in length-sorted batches) and the
-    optimizer."""
+    the calculator's numbers, the episodes' ``system_prompt``), the model's size, the
+    expert data (``episodes`` distinct expert episodes, read ``steps * batch_size`` times
+    in length-sorted batches) and the optimizer."""
 
     seed: int = 0
     digits: int = 1
+    system_prompt: str | None = DEFAULT_TOOL_PROMPT  # ToolEnv's: the tokens it is played with
     hidden_size: int = 128
     num_layers: int = 2
     num_heads: int = 2
@@ -112,7 +114,15 @@ def build_tool_warm_start(
     start = time.perf_counter()
     try:
         seed = derive_seed(recipe.seed, 200)
-        episodes = list(expert_episodes(tokenizer, recipe.episodes, seed, digits=recipe.digits))
+        episodes = list(
+            expert_episodes(
+                tokenizer,
+                recipe.episodes,
+                seed,
+                digits=recipe.digits,
+                system_prompt=recipe.system_prompt,
+            )
+        )
         data_seconds = time.perf_counter() - start
         torch.manual_seed(recipe.seed)
         model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
