@@ -72,6 +72,17 @@ def tools_vllm_engine() -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session")
+def tool_warm_start_engine() -> Iterator[Any]:
+    """One in-process VLLMEngine on the shipped tools warm start (it calls the calculator),
+    shared by the tests of the examples that show a working tool agent."""
+    from rollpipe.engines.vllm import VLLMEngine
+    from rollpipe.training.tool_warm_start import tool_warm_start_model_path
+
+    path = tool_warm_start_model_path()
+    yield from _shared(VLLMEngine(path, kv_cache_space_gib=0.5, max_model_len=1024, seed=0))
+
+
+@pytest.fixture(scope="session")
 def hf_engine(tiny_model_path: Path) -> Iterator[Any]:
     """One HFEngine (transformers generate, micro-batched) for the whole session."""
     from rollpipe.engines.hf import HFEngine

@@ -62,3 +62,47 @@ def test_custom_env(vllm_engine):
     assert env.target == target  # seeded
     _, reward, terminated, _, info = env.step(f"<answer>{target}</answer>")
     assert (reward, terminated, info["success"]) == (1.0, True, True)
+
+
+def _first_prompts(batch) -> dict[int, list[int]]:
+    """Each group's first prompt ids (the row's tokens before its first response)."""
+    td = batch.batch
+    prompts = {}
+    for i in range(len(batch)):
+        ids = td["input_ids"][i][td["attention_mask"][i].bool()]
+        response = td["response_mask"][i][td["attention_mask"][i].bool()]
+        first = int(response.nonzero()[0])
+        prompts[int(td["traj_group_id"][i])] = ids[:first].tolist()
+    return prompts
+
+
+def _well_formed_and_winning(batch) -> dict[str, float]:
+    """The tools warm start on its first run: about one well-formed call per episode, and
+    some episodes won (4-8% of the calculator's held-out seeds, docs/tools.md)."""
+    metrics = batch.meta_info["metrics"]
+    well_formed = metrics["tool/calls"] - metrics["tool/malformed"]
+    assert well_formed >= 0.8 * len(batch), metrics
+    assert metrics["success_rate"] > 0, metrics
+    return metrics
+
+
+def test_tool_agent_calls_the_tool_and_wins_on_the_first_run(tool_warm_start_engine, capsys):
+    batch = load("tool_agent").main(engine=tool_warm_start_engine)
+    assert len(batch) == 64
+    _well_formed_and_winning(batch)
+    shown = capsys.readouterr().out
+    assert "tool/calls: " in shown and "success_rate: " in shown
+    assert '[[<tool_call>\n{"name": "calculate"' in shown  # the best episode, its call marked
+
+
+def test_openai_agent_sends_what_tool_env_shows_and_wins(tool_warm_start_engine):
+    """Through the front door the agent's first prompts are, token for token, the ones the
+    calculator ToolEnv renders for the same seeds: the conversation the warm start was
+    trained on, hence its well-formed calls."""
+    agent = load("openai_agent").main(engine=tool_warm_start_engine)
+    assert len(agent) == 64
+    assert set(agent.non_tensor_batch["end_reasons"]) == {"terminated"}
+    _well_formed_and_winning(agent)
+    tools = load("tool_agent").main(engine=tool_warm_start_engine, batch_size=16)
+    shown = _first_prompts(tools)
+    assert shown and all(_first_prompts(agent)[g] == ids for g, ids in shown.items())
