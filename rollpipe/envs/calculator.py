@@ -17,7 +17,13 @@ from typing import Any
 
 from rollpipe.envs.tool_env import DEFAULT_TOOL_PROMPT, ToolEnv
 
-__all__ = ["calculate", "calculator_env", "calculator_task", "last_number_matches"]
+__all__ = [
+    "DEFAULT_TOOL_PROMPT",  # the system prompt of its episodes (ToolEnv's)
+    "calculate",
+    "calculator_env",
+    "calculator_task",
+    "last_number_matches",
+]
 
 _OPS: dict[type, Any] = {
     ast.Add: operator.add,
