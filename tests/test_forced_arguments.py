@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from torchdata.nodes import IterableWrapper
 
 from rollpipe.agent.episode import EpisodeSettings
-from rollpipe.agent.records import EpisodeSpec, Trajectory
+from rollpipe.agent.records import EpisodeSpec, Trajectory, Turn
 from rollpipe.data.roll_layout import to_roll
 from rollpipe.data.verl_layout import verl_parts
 from rollpipe.frontdoor import AgentEnv
@@ -262,3 +262,54 @@ def test_vllm_logprobs_under_a_grammar_are_the_masked_distributions(
     assert (forced > -1e-4).all() and forced.mean() > 0.1  # renormalised over fewer tokens
     assert (torch.tensor(engine.seen[0][2].logprobs) == 0.0).any()  # the only allowed token
     assert free.abs().max() < 1e-4
+
+
+TURNS = st.lists(
+    st.tuples(st.integers(1, 4), st.integers(0, 4), st.booleans()), min_size=1, max_size=4
+)
+
+
+def _trajectory(episode: int, turns: list[tuple[int, int, bool]]) -> Trajectory:
+    """A trajectory of made-up ids: (prompt length, response length, constrained) a turn."""
+    made = [
+        Turn(
+            prompt_ids=[7] * p,
+            response_ids=[9] * r,
+            logprobs=[-1.0] * r,
+            versions=[0] * r,
+            reward=0.0,
+            finish_reason="stop",
+            action_valid=None,
+            action_text="",
+            observation="o",
+            constrained=c,
+        )
+        for p, r, c in turns
+    ]
+    return Trajectory(EpisodeSpec(0, episode, 0), 0, made, 0.0, False, "terminated")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(TURNS, min_size=1, max_size=4), st.sampled_from(["trajectory", "step"]))
+def test_the_mask_is_the_constrained_turns_responses_in_any_rows(
+    episodes: list[list[tuple[int, int, bool]]], level: str
+) -> None:
+    """For any turns, ``constrained_mask`` is 1 exactly on the response tokens of the
+    turns recorded ``constrained`` (trajectory or step rows), and a turn's flag survives
+    its checkpoint state."""
+    trajectories = [_trajectory(i, turns) for i, turns in enumerate(episodes)]
+    rows = collate(trajectories, level)
+    expected = []
+    for turns in episodes:
+        if level == "trajectory":
+            expected.append([x for p, r, c in turns for x in [False] * p + [c] * r])
+        else:
+            context = 0
+            for p, r, c in turns:
+                expected.append([False] * (context + p) + [c] * r)
+                context += p + r
+    width = rows.batch["input_ids"].shape[1]
+    padded = [e + [False] * (width - len(e)) for e in expected]
+    assert rows.batch["constrained_mask"].tolist() == padded
+    for t in trajectories:  # Turn equality compares constrained too
+        assert Trajectory.from_state(t.to_state()) == t
