@@ -4,14 +4,17 @@ reward in each (the tool player's call runs the taskset's MCP tool). ``nox -s ve
 
 The test tasksets (``vf_add``, ``vf_guess``, ``vf_tools`` + ``vf_calculator``) are modules
 on the path, as verifiers loads tasksets by id; the tool server runs as ``python -m
-vf_calculator``, so this folder goes on ``PYTHONPATH`` too.
+vf_calculator``, so this folder goes on ``PYTHONPATH`` too. docs/environments.md's minimal
+taskset runs as written (its ``<!-- doctest: verifiers-... -->`` blocks).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,7 @@ from rollpipe.pipeline import PipelineConfig, RolloutPipeline
 
 VF = "rollpipe.envs.adapters.verifiers:VerifiersEnv"
 HERE = str(Path(__file__).parent)
+DOC = Path(__file__).resolve().parents[2] / "docs" / "environments.md"
 
 Player = Callable[[str], str]
 """The scripted model: the decoded prompt -> the reply's text."""
@@ -190,3 +194,63 @@ def test_a_bad_taskset_fails_when_built() -> None:
         make(VF, taskset="no_such_taskset_here")
     with pytest.raises(ValueError, match="num_tasks"):
         make(VF, taskset="vf_add", num_tasks=0)
+
+
+def doc_block(name: str) -> str:
+    """The fenced block after ``<!-- doctest: name -->`` in docs/environments.md."""
+    match = re.search(rf"<!-- doctest: {name} -->\n```python\n(.*?)```", DOC.read_text(), re.S)
+    assert match, f"docs/environments.md lost its <!-- doctest: {name} --> block"
+    return match.group(1)
+
+
+@pytest.fixture
+def taskset_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable]:
+    """``write(name, code)``: ``code`` as the importable module ``name``, as a user's
+    taskset file is (forgotten again after the test)."""
+    names: list[str] = []
+
+    def write(name: str, code: str) -> None:
+        (tmp_path / f"{name}.py").write_text(code)
+        importlib.invalidate_caches()
+        names.append(name)
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield write
+    for name in names:
+        sys.modules.pop(name, None)
+
+
+@pytest.fixture
+def my_sums(taskset_file: Callable) -> None:
+    taskset_file("my_sums", doc_block("verifiers-taskset"))
+
+
+def test_the_docs_taskset_runs_as_written_on_the_engine(my_sums, vllm_engine, tokenizer, capsys):
+    namespace: dict[str, Any] = {"engine": vllm_engine, "tokenizer": tokenizer}
+    exec(compile(doc_block("verifiers-run"), str(DOC), "exec"), namespace)
+    batch = namespace["batch"]
+    metrics = batch.meta_info["metrics"]
+    assert len(batch) == 4 and metrics["dropped/errored"] == 0, metrics
+    assert all(re.search(r"What is \d \+ 2\?", p) for p in first_prompts(batch, tokenizer))
+    printed = capsys.readouterr().out.split()[-1]
+    assert float(printed) == metrics["env/sums/reward/correct"]
+
+
+def test_the_docs_taskset_pays_a_right_answer(my_sums, scripted, tokenizer) -> None:
+    def answer(prompt: str) -> str:
+        n = int(re.search(r"What is (\d) \+ 2\?", prompt).group(1))  # type: ignore[union-attr]
+        return f"It is {n + 2}"
+
+    batch = scripted.batch(tokenizer, answer, "my_sums")
+    assert batch.meta_info["metrics"]["env/vf/reward/correct"] == 1.0
+    assert batch.batch["episode_scores"].tolist() == [1.0] * 4
+
+
+def test_a_plain_def_reward_is_refused_naming_the_fix(taskset_file) -> None:
+    code = doc_block("verifiers-taskset").replace("async def correct", "def correct")
+    assert "    def correct(" in code
+    taskset_file("sync_sums", code)
+    with pytest.raises(TypeError, match=r"SumsTask\.correct is a @vf\.reward .*plain `def`"):
+        make(VF, taskset="sync_sums")
+    with pytest.raises(ValueError, match=r"async def correct\("):  # when the config is built
+        PipelineConfig(envs=[{"name": VF, "config": {"taskset": "sync_sums"}}])

@@ -17,7 +17,8 @@ rows, and maps:
 * done: when the verifiers episode ends (the harness exits, a ``@vf.stop`` fires, the
   env's ``run`` returns); an episode verifiers marks as failed ends as ``error``;
 * metrics: each reward function's score (``reward/<name>``) and each ``@vf.metric``
-  (``metric/<name>``), numbers only.
+  (``metric/<name>``), numbers only. verifiers awaits every reward and metric: one
+  written as a plain ``def`` is refused when the env is built, naming it.
 
 Tasks: the taskset's tasks, the seed picking one (``tasks[seed % len(tasks)]``; an
 infinite taskset gives its first ``num_tasks``); with a prompt dataset each row (a dict
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import math
 import os
 import uuid
@@ -144,6 +146,7 @@ class VerifiersEnv(AgentEnv):
         self.tasks = list(source if source.bounded else source.take(num_tasks))
         if not self.tasks:
             raise ValueError(f"VerifiersEnv: taskset {taskset!r} has no tasks")
+        _check_scoring_is_async(taskset, self.tasks)
 
     def task_for(self, spec: EpisodeSpec) -> Any:
         """The verifiers task of ``spec``: its dataset row, else ``tasks[seed % n]``."""
@@ -224,6 +227,21 @@ class _Serving:
         else:
             with contextlib.suppress(Exception):  # a loop that is busy or closing
                 runtime.call(stack.aclose(), SERVING_STOP_S)
+
+
+def _check_scoring_is_async(taskset: str, tasks: list[Any]) -> None:
+    """Refuse a ``@vf.reward`` / ``@vf.metric`` written as a plain ``def``: verifiers
+    awaits them all together (``asyncio.gather``), so one would fail every episode at
+    scoring with "An asyncio.Future, a coroutine or an awaitable is required"."""
+    for task in {type(task): task for task in tasks}.values():  # one task of each type
+        for kind in ("reward", "metric"):
+            for fn in task.hooks(kind):
+                if not inspect.iscoroutinefunction(inspect.unwrap(fn)):
+                    raise TypeError(
+                        f"VerifiersEnv: taskset {taskset!r}: {type(task).__name__}."
+                        f"{fn.__name__} is a @vf.{kind} written as a plain `def`; verifiers "
+                        f"awaits every {kind}: write it as `async def {fn.__name__}(...)`"
+                    )
 
 
 def _seats(config: Any) -> list[str]:
