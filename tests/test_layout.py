@@ -149,6 +149,8 @@ def test_no_import_cycles() -> None:
 LONGER_MODULES: dict[str, str] = {
     "rollpipe.agent.records": "the episode's four records (spec, turn, trajectory, group) "
     "with their checkpoint round-trips: one data model, read together",
+    "rollpipe.data.proto.dataproto": "verl's DataProto, one class with its 28 public methods "
+    "(its helpers are already the private modules beside it)",
 }
 """Modules allowed over ``MAX_LINES``, each with the reason it is still one concept."""
 

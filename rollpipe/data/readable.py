@@ -1,6 +1,6 @@
 """Readable views of collated rows: which spans the engine generated, decoded.
 
-:func:`show_row` (also ``DataProto.show``) is the Python twin of ``rollpipe inspect``:
+:func:`show_row` is the Python twin of ``rollpipe inspect``:
 one row as text, the generated spans marked. ``rollpipe run --out`` writes
 :func:`decode_row` records (a JSONL of trajectories to read). Works on any ``DataProto``
 with ``input_ids``, ``attention_mask`` and ``response_mask``.

@@ -16,9 +16,8 @@ background between ``next()`` calls — while the trainer computes — up to
 it. With ``in_order=True`` (as torchdata's ``ParallelMapper``) trajectories come out in
 admission order, which makes runs and checkpoint restores reproducible;
 ``in_order=False`` yields them as they finish. A checkpoint records the specs admitted
-but not yet yielded (as plain data); a restore re-runs them, and their derived seeds
-reproduce them. Its settings are a :class:`RolloutSettings` (this stage's) and an
-:class:`~rollpipe.agent.episode.EpisodeSettings` (each episode's), checked when built.
+but not yet yielded (as plain data); a restore re-runs them from their derived seeds.
+Settings: :class:`RolloutSettings` and :class:`~rollpipe.agent.episode.EpisodeSettings`.
 """
 
 from __future__ import annotations

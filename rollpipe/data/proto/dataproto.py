@@ -411,15 +411,6 @@ class DataProto:
         """Read a DataProto written by ``save``."""
         return load_checked(path, map_location, DataProto)
 
-    # ----------------------------------------------------------------- reading rows
-    def show(self, index: int, tokenizer: Any) -> str:
-        """Row ``index`` as text, the spans the engine generated marked ``[[...]]``, after a
-        header of its ids and scores (``rollpipe.data.readable.show_row``; what
-        ``rollpipe inspect`` prints): ``print(batch.show(0, tokenizer))``."""
-        from rollpipe.data.readable import show_row
-
-        return show_row(self, index, tokenizer)
-
     # ----------------------------------------------------------------- ROLL and verl layouts
     def to_roll(self, **options: Any) -> DataProto:
         """These rows in ROLL's agentic layout (``rollpipe.data.roll_layout.to_roll``)."""
