@@ -42,7 +42,7 @@ async def agent(client, task):  # client: openai.AsyncOpenAI, with this episode'
     return AgentResult(0.0)
 
 
-def main(engine=None, batch_size=64):
+def main(engine=None, batch_size=256):
     register(
         "calculator-agent",
         lambda: AgentEnv(agent, task=lambda seed: calculator_task(seed, digits=1)),

@@ -12,7 +12,7 @@ from rollpipe.data.readable import show_row
 from rollpipe.training.tool_warm_start import tool_warm_start_model_path
 
 
-def main(engine=None, batch_size=64):
+def main(engine=None, batch_size=256):
     path = tool_warm_start_model_path()  # shipped in the package: nothing to build
     tokenizer = AutoTokenizer.from_pretrained(path)
     owned = engine is None

@@ -88,7 +88,7 @@ def _well_formed_and_winning(batch) -> dict[str, float]:
 
 def test_tool_agent_calls_the_tool_and_wins_on_the_first_run(tool_warm_start_engine, capsys):
     batch = load("tool_agent").main(engine=tool_warm_start_engine)
-    assert len(batch) == 64
+    assert len(batch) == 256
     _well_formed_and_winning(batch)
     shown = capsys.readouterr().out
     assert "tool/calls: " in shown and "success_rate: " in shown
@@ -100,7 +100,7 @@ def test_openai_agent_sends_what_tool_env_shows_and_wins(tool_warm_start_engine)
     calculator ToolEnv renders for the same seeds: the conversation the warm start was
     trained on, hence its well-formed calls."""
     agent = load("openai_agent").main(engine=tool_warm_start_engine)
-    assert len(agent) == 64
+    assert len(agent) == 256
     assert set(agent.non_tensor_batch["end_reasons"]) == {"terminated"}
     _well_formed_and_winning(agent)
     tools = load("tool_agent").main(engine=tool_warm_start_engine, batch_size=16)

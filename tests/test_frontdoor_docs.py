@@ -27,7 +27,7 @@ def test_the_agent_example_is_about_30_lines_and_its_calls_are_real() -> None:
     namespace: dict[str, Any] = {}
     exec(compile(code, "docs/agents.md", "exec"), namespace)
     batch = namespace["batch"]
-    assert len(batch) == 64 and len(set(batch.non_tensor_batch["uid"])) == 16
+    assert len(batch) == 256 and len(set(batch.non_tensor_batch["uid"])) == 64
     assert set(batch.non_tensor_batch["end_reasons"]) == {"terminated"}
     metrics = batch.meta_info["metrics"]
     assert metrics["tool/calls"] - metrics["tool/malformed"] >= 0.8 * len(batch), metrics

@@ -306,3 +306,28 @@ def test_calculator_env_passes_its_system_prompt_on() -> None:
     finally:
         default.close()
         custom.close()
+
+
+def test_a_dataset_row_is_the_task() -> None:
+    """With a dataset the row replaces ``task(seed)`` (its prompt and answer fields, as
+    PromptTask's); without one, ``task=None`` says what to set."""
+    from rollpipe.envs.registry import takes_row
+
+    tool_env = env()
+    rows_only = ToolEnv(None, [add], last_number_matches, prompt_key="q", answer_key="a")
+    try:
+        assert takes_row(tool_env)
+        assert tool_env.reset(0, row={"prompt": "What is 4 + 4?", "answer": 8})[0] == (
+            "What is 4 + 4?"
+        )
+        assert tool_env._truth == 8
+        assert tool_env.reset(0, row="Just a prompt")[0] == "Just a prompt"
+        assert tool_env._truth is None
+        assert rows_only.reset(1, row={"q": "What is 1 + 1?", "a": 2})[0] == "What is 1 + 1?"
+        with pytest.raises(ValueError, match=r"needs a 'q' field \(this row: \['prompt'\]\)"):
+            rows_only.reset(1, row={"prompt": "What is 1 + 1?"})
+        with pytest.raises(ValueError, match=r"task=None\) takes its tasks from dataset rows"):
+            rows_only.reset(1)
+    finally:
+        tool_env.close()
+        rows_only.close()

@@ -30,7 +30,7 @@ Example (a custom tool env)::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
 from rollpipe.agent.actions import AssistantAction
@@ -55,7 +55,10 @@ class ToolEnv:
 
     Args:
         task: ``task(seed) -> (prompt, truth)``: the first user message and what the
-            verifier compares the answer with; the same seed gives the same task.
+            verifier compares the answer with; the same seed gives the same task. With a
+            dataset (``PipelineConfig(dataset=...)``) each episode's row is the task
+            instead: ``row[prompt_key]`` the prompt, ``row[answer_key]`` the truth (a
+            string row is the prompt, truth None); ``task`` may then be None.
         tools: typed callables with docstrings, or OpenAI schemas (``rollpipe.agent.tools``).
         verifier: ``verifier(answer_content, truth) -> reward``; a reward > 0 is success.
         max_tool_turns: turns of tool calls before the episode is truncated (reward 0).
@@ -64,13 +67,14 @@ class ToolEnv:
         system_prompt: the system message of this env's episodes, before the tools
             block (the pipeline's ``system_prompt`` is for text games); None sends no
             system message of its own (the template still writes the tools block).
+        prompt_key / answer_key: a dataset row's fields (as ``PromptTask``'s).
     """
 
     step_input: ClassVar[Literal["action"]] = "action"
 
     def __init__(
         self,
-        task: Task,
+        task: Task | None,
         tools: Sequence[Tool],
         verifier: Verifier,
         *,
@@ -78,10 +82,13 @@ class ToolEnv:
         tool_timeout_s: float | None = 10.0,
         max_threads: int = 2,
         system_prompt: str | None = DEFAULT_TOOL_PROMPT,
+        prompt_key: str = "prompt",
+        answer_key: str = "answer",
     ) -> None:
-        if not callable(task) or not callable(verifier):
+        if not (task is None or callable(task)) or not callable(verifier):
             raise ValueError(
-                f"ToolEnv: task and verifier must be callables, got task={task!r}, "
+                f"ToolEnv: task (or None: dataset rows) and verifier must be callables, "
+                f"got task={task!r}, "
                 f"verifier={verifier!r}"
             )
         if not isinstance(max_tool_turns, int) or max_tool_turns < 1:
@@ -94,17 +101,39 @@ class ToolEnv:
         self.system_prompt = system_prompt
         self.tools = ToolSet(tools)
         self.task, self.verifier, self.max_tool_turns = task, verifier, max_tool_turns
+        self.prompt_key, self.answer_key = prompt_key, answer_key
         self.runner = ToolRunner(self.tools, timeout_s=tool_timeout_s, max_threads=max_threads)
         self._truth: Any = None
         self._tool_turns = -1  # -1: not reset, or the episode ended
 
-    def reset(self, seed: int) -> tuple[str, Info]:
-        """A new task for ``seed``."""
-        prompt, self._truth = self.task(check_seed(seed))
+    def reset(self, seed: int, row: Any = None) -> tuple[str, Info]:
+        """A new task: the dataset's ``row`` when there is one, else ``task(seed)``."""
+        check_seed(seed)
+        if row is not None:
+            prompt, self._truth = self._from_row(row)
+        elif self.task is None:
+            raise ValueError(
+                "ToolEnv(task=None) takes its tasks from dataset rows: set the source's "
+                "dataset (PipelineConfig(dataset=...)), or give ToolEnv a task(seed)"
+            )
+        else:
+            prompt, self._truth = self.task(seed)
         if not isinstance(prompt, str):
             raise ValueError(f"ToolEnv.task must return (prompt: str, truth), got {prompt!r}")
         self._tool_turns = 0
         return prompt, {"success": False}
+
+    def _from_row(self, row: Any) -> tuple[Any, Any]:
+        """``(prompt, truth)`` of a dataset row (a string row is the prompt)."""
+        if isinstance(row, str):
+            return row, None
+        if not isinstance(row, Mapping) or self.prompt_key not in row:
+            fields = sorted(row) if isinstance(row, Mapping) else type(row).__name__
+            raise ValueError(
+                f"ToolEnv: a dataset row needs a {self.prompt_key!r} field (this row: "
+                f"{fields}); set ToolEnv(prompt_key=...)"
+            )
+        return row[self.prompt_key], row.get(self.answer_key)
 
     async def step(self, action: AssistantAction) -> tuple[Any, float, bool, bool, Info]:
         """Run the turn's tool calls, or verify its answer (see the module doc)."""
