@@ -303,7 +303,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         f"{totals['tokens'] / max(totals['wait'], 1e-9):.0f}",
         f"{totals['wait']:.2f}",
     )
-    table.caption = f"The run took {wall:.1f} s, start-up included."
+    table.caption = f"The run took {wall:.1f} s, the pipeline's start-up included."
     console.print(table)
     for line in LEGEND:
         console.print(line, style="dim", highlight=False, markup=False)

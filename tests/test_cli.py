@@ -52,7 +52,10 @@ def test_run_saves_batches_and_inspect_reads_them(tmp_path, tiny_model_path, cap
     assert slowest - 0.5 <= total_rate <= fastest + 0.5
     lines = printed.splitlines()
     # a whole caption, and a legend that says what every column but the index means
-    assert any(re.fullmatch(r"\s*The run took \d+\.\d s, start-up included\.\s*", x) for x in lines)
+    assert any(
+        re.fullmatch(r"\s*The run took \d+\.\d s, the pipeline's start-up included\.\s*", x)
+        for x in lines
+    )
     legend = [
         line for line in lines if line.startswith(("score:", "success:", "resp ", "tokens/s:"))
     ]
