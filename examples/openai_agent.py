@@ -34,10 +34,10 @@ async def agent(client, task):  # client: openai.AsyncOpenAI, with this episode'
             reward = last_number_matches(message.content or "", truth)
             return AgentResult(reward, success=reward > 0)
         for call in message.tool_calls:
-            try:
+            try:  # arguments are the model's JSON: check them before use, as OpenAI says
                 result = calculate(**json.loads(call.function.arguments))
-            except Exception as error:  # a bad expression: tell the model, as ToolEnv does
-                result = f"error: {error}"
+            except Exception as exc:  # not JSON, not an object, not an expression
+                result = f"error: {exc!r}"  # the model reads what was wrong
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     return AgentResult(0.0)
 
