@@ -91,7 +91,7 @@ def synthetic_trajectories(
 
 def per_row_proto(traj: Trajectory, length: int) -> DataProto:
     """One trajectory as a one-row DataProto padded to ``length`` (the verl/ROLL way)."""
-    ids, resp, lp, ver = [], [], [], []
+    ids, resp, lp, ver, grammar = [], [], [], [], []
     for u in traj.turns:
         # the turn's packed arrays, as collate gets them: no Python-int conversion either
         both = torch.from_numpy(u.token_array.copy())
@@ -100,6 +100,7 @@ def per_row_proto(traj: Trajectory, length: int) -> DataProto:
         resp += [torch.zeros(len(p), dtype=torch.bool), torch.ones(len(r), dtype=torch.bool)]
         lp += [torch.zeros(len(p)), torch.from_numpy(u.logprob_array.copy())]
         ver += [torch.full((len(p),), -1), torch.tensor(u.versions)]
+        grammar += [torch.zeros(len(p), dtype=torch.bool), torch.full((len(r),), u.constrained)]
     input_ids = torch.cat(ids)
     response_mask = torch.cat(resp)
     n, pad = len(input_ids), length - len(input_ids)
@@ -122,6 +123,7 @@ def per_row_proto(traj: Trajectory, length: int) -> DataProto:
         "scores": row(scores, 0.0),
         "infer_logprobs": row(torch.cat(lp), 0.0),
         "policy_versions": row(torch.cat(ver), -1),
+        "constrained_mask": row(torch.cat(grammar), 0),
         "traj_group_id": torch.tensor([traj.group_id]),
         "traj_id": torch.tensor([traj.episode_id]),
         "env_ids": torch.tensor([traj.env_id]),

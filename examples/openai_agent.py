@@ -44,7 +44,7 @@ async def agent(client, task):  # client: openai.AsyncOpenAI, with this episode'
 
 def main(engine=None, batch_size=256):
     register(
-        "calculator-agent",
+        "openai-calculator-agent",
         lambda: AgentEnv(agent, task=lambda seed: calculator_task(seed, digits=1)),
         overwrite=True,
     )
@@ -53,7 +53,7 @@ def main(engine=None, batch_size=256):
     engine = engine or VLLMEngine(path)
     episode = EpisodeSettings(tool_parser="hermes", sampling={"max_tokens": 48})
     config = PipelineConfig(
-        envs="calculator-agent", episode=episode, group_size=4, batch_size=batch_size
+        envs="openai-calculator-agent", episode=episode, group_size=4, batch_size=batch_size
     )
     with RolloutPipeline(config, engine, path, owns_engine=owned) as pipe:
         batch = pipe.get_batch()
