@@ -20,6 +20,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tool_support import recording
 from torchdata.nodes import IterableWrapper
 
 from rollpipe.agent.episode import EpisodeSettings
@@ -72,20 +73,8 @@ random model's answer ends within ``max_tokens``)."""
 @pytest.fixture(scope="module")
 def engine(tools_vllm_engine: Any) -> Iterator[Any]:
     """The shared tools-model engine, each request's params and answer recorded."""
-    e = tools_vllm_engine
-    generate = e.generate
-    e.seen = []
-
-    async def recorded(prompt_ids: Any, params: Any, **kw: Any) -> Any:
-        gen = await generate(prompt_ids, params, **kw)
-        e.seen.append((list(prompt_ids), params, gen))
-        return gen
-
-    e.generate = recorded
-    try:
+    with recording(tools_vllm_engine, lambda ids, params, gen: (list(ids), params, gen)) as e:
         yield e
-    finally:
-        del e.generate, e.seen
 
 
 @pytest.fixture(scope="module")

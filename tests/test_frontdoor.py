@@ -10,7 +10,7 @@ from typing import Any
 
 import openai
 import pytest
-from tool_support import add, tools_model_path
+from tool_support import add, recording, tools_model_path
 
 from rollpipe.agent.episode import EpisodeSettings
 from rollpipe.agent.records import EpisodeSpec, Trajectory
@@ -25,20 +25,8 @@ TOOLS = [dict(s) for s in tool_set([add]).schemas]
 @pytest.fixture(scope="module")
 def engine(tools_vllm_engine: Any) -> Iterator[Any]:
     """The tiny tools model on vLLM, each request and answer recorded at the boundary."""
-    e = tools_vllm_engine
-    generate = e.generate
-    e.seen = []
-
-    async def recorded(prompt_ids: Any, params: Any, **kw: Any) -> Any:
-        gen = await generate(prompt_ids, params, **kw)
-        e.seen.append((list(prompt_ids), gen))
-        return gen
-
-    e.generate = recorded
-    try:
+    with recording(tools_vllm_engine, lambda ids, params, gen: (list(ids), gen)) as e:
         yield e
-    finally:
-        del e.generate, e.seen  # the shared engine's own method again
 
 
 @pytest.fixture

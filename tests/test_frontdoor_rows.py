@@ -12,7 +12,7 @@ from typing import Any
 
 import openai
 import pytest
-from tool_support import add, tools_model_path
+from tool_support import add, recording, tools_model_path
 
 from rollpipe.agent.episode import EpisodeSettings
 from rollpipe.agent.tools import tool_set
@@ -68,20 +68,10 @@ def env_name(last: str, keep_tools: bool) -> str:
 @pytest.fixture(scope="module")
 def engine(tools_vllm_engine: Any) -> Iterator[Any]:
     """The tiny tools model on vLLM, every request's prompt and answer recorded."""
-    e = tools_vllm_engine
-    generate = e.generate
-    e.seen = []
-
-    async def recorded(prompt_ids: Any, params: Any, **kw: Any) -> Any:
-        gen = await generate(prompt_ids, params, **kw)
-        e.seen.append((tuple(prompt_ids), tuple(gen.token_ids)))
-        return gen
-
-    e.generate = recorded
-    try:
+    with recording(
+        tools_vllm_engine, lambda ids, params, gen: (tuple(ids), tuple(gen.token_ids))
+    ) as e:
         yield e
-    finally:
-        del e.generate, e.seen
 
 
 @functools.cache

@@ -4,8 +4,9 @@ example tools."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,3 +85,23 @@ def call(name: str, **arguments: Any) -> str:
     import json
 
     return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
+
+
+@contextlib.contextmanager
+def recording(engine: Any, entry: Callable[[Any, Any, Any], Any]) -> Iterator[Any]:
+    """``engine`` with each request recorded at its boundary while the block runs:
+    ``engine.seen`` gets ``entry(prompt_ids, params, generation)`` per request; the
+    shared engine's own ``generate`` is back afterwards."""
+    generate = engine.generate
+    engine.seen = []
+
+    async def recorded(prompt_ids: Any, params: Any, **kw: Any) -> Any:
+        gen = await generate(prompt_ids, params, **kw)
+        engine.seen.append(entry(prompt_ids, params, gen))
+        return gen
+
+    engine.generate = recorded
+    try:
+        yield engine
+    finally:
+        del engine.generate, engine.seen  # the shared engine's own method again
