@@ -9,6 +9,7 @@ random baseline plays the very same seeds with a uniformly random valid action.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -17,6 +18,7 @@ from rollpipe.config import PipelineConfig
 from rollpipe.engines.protocol import Engine
 from rollpipe.envs.base import GridTextEnv
 from rollpipe.envs.registry import make
+from rollpipe.nodes.dataset import DatasetSettings
 from rollpipe.nodes.episode_source import EnvChoice, EpisodeSource
 
 __all__ = ["EVAL_SEED", "Evaluation", "evaluate", "random_valid_success"]
@@ -53,11 +55,20 @@ def evaluate(
     max_tokens: int = 24,
     concurrency: int = 64,
     tool_parser: str | None = None,
+    rows: Sequence[Any] | None = None,
 ) -> Evaluation:
     """Play ``episodes`` held-out episodes with ``engine`` through a RolloutPipeline
     (greedy unless ``temperature > 0``) and return their success rate and mean score.
-    ``tool_parser``: the model's vLLM tool parser, for tool envs (``"hermes"``)."""
+    ``tool_parser``: the model's vLLM tool parser, for tool envs (``"hermes"``).
+    ``rows``: a prompt dataset's held-out rows, played in order, cycling through them
+    until ``episodes`` episodes (each row equally often when it divides ``episodes``)."""
     from rollpipe.pipeline import RolloutPipeline
+
+    dataset = None
+    if rows is not None:
+        if not rows:
+            raise ValueError("evaluate: rows is empty")
+        dataset = DatasetSettings(rows=rows, shuffle=False, epochs=-(-episodes // len(rows)))
 
     config = PipelineConfig(
         envs=env,
@@ -69,6 +80,7 @@ def evaluate(
         concurrency=concurrency,
         tool_parser=tool_parser,
         sampling={"max_tokens": max_tokens, "temperature": temperature},
+        dataset=dataset,
     )
     with RolloutPipeline(config, engine, tokenizer) as pipe:
         batch = pipe.get_batch(-1)

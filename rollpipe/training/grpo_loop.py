@@ -149,7 +149,8 @@ def train_grpo(
     whose ``model_path`` is the policy) is used as is and left open; by default one is
     started on ``model_path`` (default: the task's warm start). ``env`` is a task of
     :mod:`rollpipe.training.train_tasks` (``"frozenlake"``, ``"calculator"``: tool calls,
-    parsed by the model's ``hermes`` parser); ``max_turns`` defaults to the task's.
+    parsed by the model's ``hermes`` parser; ``"sums"``: a prompt dataset, evaluated on
+    its held-out rows); ``max_turns`` defaults to the task's.
     ``eval_every=0`` evaluates only before and after training; ``eval_episodes=0`` never.
     """
     console = console or Console()
@@ -177,6 +178,8 @@ def train_grpo(
         max_turns=max_turns,
         tool_parser=task_of.tool_parser,
         sampling={"max_tokens": task_of.max_tokens, "temperature": 1.0},
+        # a prompt dataset's training rows, endlessly reshuffled (the held-out ones: below)
+        dataset=None if task_of.dataset is None else {"rows": task_of.dataset(), "epochs": None},
     )
     owned = engine is None
     if engine is None:
@@ -194,6 +197,7 @@ def train_grpo(
             "max_turns": max_turns,
             "max_tokens": task_of.max_tokens,
             "tool_parser": task_of.tool_parser,
+            "rows": None if task_of.held_out is None else task_of.held_out(),
         }
         result = evaluate(engine, tokenizer, episodes=eval_episodes, **settings)
         sampled = evaluate(engine, tokenizer, episodes=eval_episodes, temperature=1.0, **settings)

@@ -6,7 +6,7 @@ turn, the model's tool parser (tool envs) and the warm start it starts from.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ import attrs
 
 from rollpipe.nodes.episode_source import EnvChoice
 from rollpipe.training.evaluate import EVAL_MAX_TURNS
+from rollpipe.training.sum_task import SUM_ENV_CONFIG, SUM_EPISODE, held_out_rows, train_rows
 from rollpipe.training.tool_expert import TOOL_EPISODE
 from rollpipe.training.tool_warm_start import DEFAULT_TOOL_RECIPE
 
@@ -32,11 +33,19 @@ def _calculator_model() -> Path:
     return tool_warm_start_model_path()
 
 
+def _sums_model() -> Path:
+    from rollpipe.training.sum_warm_start import sum_warm_start_model_path
+
+    return sum_warm_start_model_path()
+
+
 @attrs.frozen
 class TrainTask:
     """An env to train on: ``name`` (registry name), ``max_turns``, ``max_tokens`` per
     turn, ``tool_parser`` (``None`` for text envs), ``warm_start()`` (the model path to
-    start from), ``title`` (for the learning curve) and the env's ``config``."""
+    start from), ``title`` (for the learning curve) and the env's ``config``. A prompt
+    dataset task also gives ``dataset()`` (the rows GRPO trains on) and ``held_out()``
+    (the rows evaluation plays, never trained on)."""
 
     name: str
     max_turns: int
@@ -45,6 +54,8 @@ class TrainTask:
     warm_start: Callable[[], Path]
     title: str
     config: Mapping[str, Any] = attrs.field(factory=dict)
+    dataset: Callable[[], Sequence[Any]] | None = None  # a prompt dataset's training rows
+    held_out: Callable[[], Sequence[Any]] | None = None  # and its held-out rows
 
     @property
     def env(self) -> EnvChoice:
@@ -64,6 +75,17 @@ TASKS: dict[str, TrainTask] = {
         _calculator_model,
         "the calculator tool task",
         {"digits": DEFAULT_TOOL_RECIPE.digits},  # the digits the warm start learned
+    ),
+    "sums": TrainTask(
+        "task",  # PromptTask on the rows below
+        SUM_EPISODE["max_turns"],
+        SUM_EPISODE["max_tokens"],
+        None,
+        _sums_model,
+        "single-digit sums (a prompt dataset)",
+        SUM_ENV_CONFIG,
+        dataset=train_rows,
+        held_out=held_out_rows,
     ),
 }
 
