@@ -163,6 +163,7 @@ def _register_builtins() -> None:
     from rollpipe.envs.adapters.textarena import TextArenaEnv
     from rollpipe.envs.calculator import calculator_env
     from rollpipe.envs.frozenlake import FrozenLake
+    from rollpipe.envs.lookup import lookup_env
     from rollpipe.envs.sokoban import Sokoban
     from rollpipe.envs.task import PromptTask
 
@@ -170,6 +171,7 @@ def _register_builtins() -> None:
     register("sokoban", Sokoban)
     register("task", PromptTask)
     register("calculator", calculator_env)
+    register("lookup", lookup_env)
     register("gem", GemEnv)  # the ecosystems' adapters: each needs its extra when built
     register("reasoning_gym", ReasoningGymEnv)
     register("textarena", TextArenaEnv)

@@ -1,10 +1,12 @@
-"""The calculator expert: a scripted policy that calls the tool and answers, and its
-transcripts as supervised episodes in the pipeline's own ids.
+"""The tool experts: scripted policies that call the tool and answer (the lookup and
+calculator tasks), and their transcripts as supervised episodes in the pipeline's own ids.
 
 :func:`expert_policy` reads the conversation so far (the prompt ids, decoded) and writes
-what a good tool user writes: at the first turn one ``calculate`` call with the task's
-expression, exactly as the tiny tools template renders a call; after a tool response,
-the result as the answer. It is a policy function for
+what a good tool user writes: at the first turn one call (``lookup`` with the drawer
+asked about, ``calculate`` with the task's expression), exactly as the tiny tools
+template renders a call; after a tool response, the answer. :func:`guess_texts` is the
+other behaviour the lookup warm start imitates: an answer at once, without the call (a
+digit from the question's hash: right one time in ten). Both are policy functions for
 :class:`~rollpipe.engines.scripted.ScriptedEngine`, so :func:`expert_episodes` plays it
 through a real :class:`~rollpipe.pipeline.RolloutPipeline` (the calculator
 ``ToolEnv``, the ``hermes`` parser, the token-exact dialog): the rows are exactly the
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -24,45 +27,77 @@ from rollpipe.engines.records import SamplingParams
 from rollpipe.envs.tool_env import DEFAULT_TOOL_PROMPT
 from rollpipe.training.expert import RESPONSE, ExpertEpisode
 
-__all__ = ["TOOL_EPISODE", "expert_episodes", "expert_policy", "expert_texts"]
+__all__ = [
+    "LOOKUP_ANSWER",
+    "TOOL_EPISODE",
+    "expert_episodes",
+    "expert_policy",
+    "expert_texts",
+    "guess_texts",
+]
 
 TOOL_EPISODE: dict[str, Any] = {"max_turns": 4, "max_tokens": 48, "tool_parser": "hermes"}
-"""Episode settings of the calculator task (training, evaluation and the warm start)."""
+"""Episode settings of the tool tasks (training, evaluation and the warm start)."""
+LOOKUP_ANSWER = "The digit is {}."
+"""How the lookup expert answers (after the call, or guessing without it)."""
 
-_QUESTION = re.compile(r"What is (\d+ [*+] \d+)\?")
+_CALCULATION = re.compile(r"What is (\d+ [*+] \d+)\?")
+_DRAWER = re.compile(r"Which digit is in drawer (\d+)\?")
 _RESULT = re.compile(r"<tool_response>\n(.*?)\n</tool_response>", re.DOTALL)
 _EOT = "<|im_end|>"
+_UNKNOWN = (
+    "expert_policy: no 'What is A op B?' or 'Which digit is in drawer N?' question in the "
+    "prompt; the expert plays only the calculator and lookup envs (rollpipe.envs)"
+)
+
+
+def _call(name: str, arguments: dict[str, Any]) -> str:
+    """A call as the tiny tools template renders one."""
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
 
 
 def expert_texts(conversation: str) -> str:
     """The expert's next response (without end of turn) to ``conversation`` (the
     decoded prompt): the answer after a tool response, else a call for the question."""
+    drawers = _DRAWER.findall(conversation)
     results = _RESULT.findall(conversation)
     if results:
-        return results[-1].strip()
-    questions = _QUESTION.findall(conversation)
-    if not questions:
-        raise ValueError(
-            "expert_policy: no 'What is A op B?' question in the prompt; the expert "
-            "plays only the calculator env (rollpipe.envs.calculator)"
-        )
-    arguments = json.dumps({"expression": questions[-1]})
-    return f'<tool_call>\n{{"name": "calculate", "arguments": {arguments}}}\n</tool_call>'
+        result = results[-1].strip()
+        return LOOKUP_ANSWER.format(result) if drawers else result
+    if drawers:
+        return _call("lookup", {"drawer": int(drawers[-1])})
+    calculations = _CALCULATION.findall(conversation)
+    if not calculations:
+        raise ValueError(_UNKNOWN)
+    return _call("calculate", {"expression": calculations[-1]})
 
 
-def expert_policy(tokenizer: Any) -> Callable[[Sequence[int], SamplingParams], list[int]]:
-    """The expert as a ``ScriptedEngine`` policy: ``policy(prompt_ids, params) -> ids``
-    (the response and the template's end-of-turn token)."""
+def guess_texts(conversation: str) -> str:
+    """An answer to the lookup question without looking: a digit from the question's
+    hash (the drawers' digits are random, so it is right one time in ten)."""
+    drawers = _DRAWER.findall(conversation)
+    if not drawers:
+        raise ValueError(_UNKNOWN)
+    return LOOKUP_ANSWER.format(zlib.crc32(conversation.encode()) % 10)
+
+
+def expert_policy(
+    tokenizer: Any, texts: Callable[[str], str] = expert_texts
+) -> Callable[[Sequence[int], SamplingParams], list[int]]:
+    """``texts`` (the expert by default) as a ``ScriptedEngine`` policy:
+    ``policy(prompt_ids, params) -> ids`` (the response and the end-of-turn token)."""
 
     def policy(prompt: Sequence[int], params: SamplingParams) -> list[int]:
         text = tokenizer.decode(prompt, skip_special_tokens=False)
-        ids = tokenizer(expert_texts(text) + _EOT, add_special_tokens=False)["input_ids"]
+        ids = tokenizer(texts(text) + _EOT, add_special_tokens=False)["input_ids"]
         return list(ids)
 
     return policy
 
 
-def _episode(ids: np.ndarray, response: np.ndarray, seed: int, score: float) -> ExpertEpisode:
+def _episode(
+    env: str, ids: np.ndarray, response: np.ndarray, seed: int, score: float
+) -> ExpertEpisode:
     """A pipeline row as an :class:`ExpertEpisode`: every response token is a target."""
     targets = np.full(len(ids), -1, dtype=np.int64)
     kinds = np.zeros(len(ids), dtype=np.int8)
@@ -73,7 +108,7 @@ def _episode(ids: np.ndarray, response: np.ndarray, seed: int, score: float) -> 
     starts, ends = np.nonzero(edges == 1)[0].tolist(), np.nonzero(edges == -1)[0].tolist()
     spans = tuple(zip(starts, ends, strict=True))
     return ExpertEpisode(
-        env="calculator",
+        env=env,
         seed=seed,
         ids=ids,
         targets=targets,
@@ -90,20 +125,20 @@ def expert_episodes(
     episodes: int,
     seed: int,
     *,
-    digits: int = 3,
-    system_prompt: str | None = DEFAULT_TOOL_PROMPT,
+    env: str = "calculator",
+    env_config: dict[str, Any] | None = None,
+    texts: Callable[[str], str] = expert_texts,
     chunk: int = 1024,
 ) -> Iterator[ExpertEpisode]:
-    """``episodes`` expert calculator episodes (``digits``-digit numbers, the env's
-    ``system_prompt``) on seeds derived from ``seed``, played through a RolloutPipeline
-    on a ScriptedEngine (module doc)."""
+    """``episodes`` episodes of ``texts`` (the expert by default) on the tool env ``env``
+    (``"calculator"`` or ``"lookup"``, built with ``env_config``), on seeds derived from
+    ``seed``, played through a RolloutPipeline on a ScriptedEngine (module doc)."""
     from rollpipe.engines.scripted import ScriptedEngine
     from rollpipe.nodes.episode_source import EnvChoice
     from rollpipe.pipeline import PipelineConfig, RolloutPipeline
 
-    env_config: dict[str, Any] = {"digits": digits, "system_prompt": system_prompt}
     config = PipelineConfig(
-        envs=EnvChoice("calculator", env_config),
+        envs=EnvChoice(env, {"system_prompt": DEFAULT_TOOL_PROMPT, **(env_config or {})}),
         group_size=1,
         batch_size=min(chunk, episodes),
         num_groups=episodes,
@@ -114,7 +149,7 @@ def expert_episodes(
         sampling={"max_tokens": TOOL_EPISODE["max_tokens"]},
     )
     with (
-        ScriptedEngine(expert_policy(tokenizer)) as engine,
+        ScriptedEngine(expert_policy(tokenizer, texts)) as engine,
         RolloutPipeline(config, engine, tokenizer) as pipe,
     ):
         while (batch := pipe.get_batch()) is not None:
@@ -126,4 +161,4 @@ def expert_episodes(
                 ids = td["input_ids"][i][keep].numpy().astype(np.int64)
                 response = td["response_mask"][i][keep].numpy().astype(bool)
                 score = float(td["episode_scores"][i])
-                yield _episode(ids, response, int(seeds[i]), score)
+                yield _episode(env, ids, response, int(seeds[i]), score)

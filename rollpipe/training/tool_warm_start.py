@@ -19,9 +19,10 @@ import itertools
 import json
 import logging
 import os
+import random
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,9 @@ import torch
 
 from rollpipe._utils.seeding import derive_seed
 from rollpipe.envs.tool_env import DEFAULT_TOOL_PROMPT
+from rollpipe.training.expert import ExpertEpisode
 from rollpipe.training.sft import length_batches, train_sft
-from rollpipe.training.tool_expert import expert_episodes
+from rollpipe.training.tool_expert import expert_episodes, guess_texts
 from rollpipe.training.warm_start_files import (
     RECIPE_FILE,
     cached_build,
@@ -40,6 +42,7 @@ from rollpipe.training.warm_start_files import (
 )
 
 __all__ = [
+    "CALCULATOR_RECIPE",
     "DEFAULT_TOOL_RECIPE",
     "TOOL_SHIPPED_DIR",
     "ToolWarmStartRecipe",
@@ -51,14 +54,24 @@ TOOL_SHIPPED_DIR = Path(__file__).resolve().parent / "tool_warm_start_model"
 _log = logging.getLogger(__name__)
 
 
+def _a_share(recipe: Any, attribute: Any, value: float) -> None:
+    if not 0 <= value < 1:
+        raise ValueError(f"ToolWarmStartRecipe.{attribute.name} must be in [0, 1), got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class ToolWarmStartRecipe:
-    """Everything that decides the tools warm start's weights: the task (``digits`` of
-    the calculator's numbers, the episodes' ``system_prompt``), the model's size, the
-    expert data (``episodes`` distinct expert episodes, read ``steps * batch_size`` times
-    in length-sorted batches) and the optimizer."""
+    """Everything that decides the tools warm start's weights: the task (``task``:
+    ``"lookup"`` or ``"calculator"``, ``digits`` of the calculator's numbers, the episodes'
+    ``system_prompt``), the model's size, the data (``episodes`` distinct expert
+    episodes, read in length-sorted batches of ``batch_size`` for ``steps`` steps; the
+    last ``guess_steps`` of them read a mix in which a ``guess_rate`` share of the
+    episodes answers without the call) and the optimizer."""
 
     seed: int = 0
+    task: str = "lookup"
+    guess_rate: float = attrs.field(default=0.7, validator=_a_share)
+    guess_steps: int = 200
     digits: int = 1
     system_prompt: str | None = DEFAULT_TOOL_PROMPT  # ToolEnv's: the tokens it is played with
     hidden_size: int = 128
@@ -80,6 +93,8 @@ class ToolWarmStartRecipe:
 
 
 DEFAULT_TOOL_RECIPE = ToolWarmStartRecipe()
+CALCULATOR_RECIPE = ToolWarmStartRecipe(task="calculator", guess_rate=0.0, digits=1, steps=200)
+"""The calculator task's warm start (built into the cache on first use, not shipped)."""
 
 
 def initial_weights(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
@@ -91,6 +106,41 @@ def initial_weights(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
         return load_file(str(Path(tmp) / "model.safetensors"))
+
+
+def _batches(tokenizer: Any, recipe: ToolWarmStartRecipe) -> Iterator[list[ExpertEpisode]]:
+    """The recipe's training batches: the expert's episodes, then for the last
+    ``guess_steps`` steps a shuffled mix in which a ``guess_rate`` share of the episodes
+    answers without the call (lookup only)."""
+    config: dict[str, Any] = {"system_prompt": recipe.system_prompt}
+    if recipe.task == "calculator":
+        config["digits"] = recipe.digits
+    seed = derive_seed(recipe.seed, 200)
+    expert = list(
+        expert_episodes(tokenizer, recipe.episodes, seed, env=recipe.task, env_config=config)
+    )
+    batches = length_batches(
+        itertools.chain.from_iterable(itertools.repeat(expert)),
+        recipe.batch_size,
+        pool=8,
+        seed=derive_seed(recipe.seed, 201),
+    )
+    guess_steps = min(recipe.guess_steps, recipe.steps) if recipe.guess_rate > 0 else 0
+    yield from itertools.islice(batches, recipe.steps - guess_steps)
+    if not guess_steps:
+        return
+    guesses = round(len(expert) * recipe.guess_rate / (1 - recipe.guess_rate))
+    seed = derive_seed(recipe.seed, 202)
+    mixed = expert + list(
+        expert_episodes(
+            tokenizer, guesses, seed, env=recipe.task, env_config=config, texts=guess_texts
+        )
+    )
+    random.Random(derive_seed(recipe.seed, 203)).shuffle(mixed)
+    # unsorted batches: each holds calls and guesses in the mix's proportion
+    cycle = itertools.chain.from_iterable(itertools.repeat(mixed))
+    for _ in range(guess_steps):
+        yield list(itertools.islice(cycle, recipe.batch_size))
 
 
 def build_tool_warm_start(
@@ -113,26 +163,14 @@ def build_tool_warm_start(
     torch.set_num_threads(recipe.threads)
     start = time.perf_counter()
     try:
-        seed = derive_seed(recipe.seed, 200)
-        episodes = list(
-            expert_episodes(
-                tokenizer,
-                recipe.episodes,
-                seed,
-                digits=recipe.digits,
-                system_prompt=recipe.system_prompt,
-            )
-        )
+        batches = _batches(tokenizer, recipe)
+        first = next(batches)  # the expert's episodes are played before the clock below
         data_seconds = time.perf_counter() - start
         torch.manual_seed(recipe.seed)
         model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-        passes = itertools.chain.from_iterable(itertools.repeat(episodes))
-        batches = length_batches(
-            passes, recipe.batch_size, pool=8, seed=derive_seed(recipe.seed, 201)
-        )
         history = train_sft(
             model,
-            itertools.islice(batches, recipe.steps),
+            itertools.chain([first], batches),
             tokenizer.pad_token_id,
             steps=recipe.steps,
             lr=recipe.lr,

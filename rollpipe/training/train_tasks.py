@@ -16,7 +16,7 @@ from rollpipe.nodes.episode_source import EnvChoice
 from rollpipe.training.evaluate import EVAL_MAX_TURNS
 from rollpipe.training.sum_task import SUM_ENV_CONFIG, SUM_EPISODE, held_out_rows, train_rows
 from rollpipe.training.tool_expert import TOOL_EPISODE
-from rollpipe.training.tool_warm_start import DEFAULT_TOOL_RECIPE
+from rollpipe.training.tool_warm_start import CALCULATOR_RECIPE
 
 __all__ = ["TASKS", "TrainTask", "train_task"]
 
@@ -27,10 +27,16 @@ def _frozenlake_model() -> Path:
     return warm_start_model_path()
 
 
-def _calculator_model() -> Path:
+def _lookup_model() -> Path:
     from rollpipe.training.tool_warm_start import tool_warm_start_model_path
 
     return tool_warm_start_model_path()
+
+
+def _calculator_model() -> Path:
+    from rollpipe.training.tool_warm_start import CALCULATOR_RECIPE, tool_warm_start_model_path
+
+    return tool_warm_start_model_path(CALCULATOR_RECIPE)
 
 
 def _sums_model() -> Path:
@@ -67,6 +73,22 @@ TASKS: dict[str, TrainTask] = {
     "frozenlake": TrainTask(
         "frozenlake", EVAL_MAX_TURNS, 24, None, _frozenlake_model, "FrozenLake"
     ),
+    "lookup": TrainTask(
+        "lookup",
+        TOOL_EPISODE["max_turns"],
+        TOOL_EPISODE["max_tokens"],
+        TOOL_EPISODE["tool_parser"],
+        _lookup_model,
+        "the lookup tool task",
+    ),
+    "lookup-agent": TrainTask(
+        "rollpipe.training.lookup_agent:lookup_agent_env",
+        TOOL_EPISODE["max_turns"],
+        TOOL_EPISODE["max_tokens"],
+        TOOL_EPISODE["tool_parser"],
+        _lookup_model,
+        "the lookup task as an openai-client agent",
+    ),
     "calculator": TrainTask(
         "calculator",
         TOOL_EPISODE["max_turns"],
@@ -74,7 +96,7 @@ TASKS: dict[str, TrainTask] = {
         TOOL_EPISODE["tool_parser"],
         _calculator_model,
         "the calculator tool task",
-        {"digits": DEFAULT_TOOL_RECIPE.digits},  # the digits the warm start learned
+        {"digits": CALCULATOR_RECIPE.digits},  # the digits its warm start learned
     ),
     "sums": TrainTask(
         "task",  # PromptTask on the rows below
