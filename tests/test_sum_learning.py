@@ -47,7 +47,7 @@ def test_the_held_out_split_is_fixed_and_never_trained_on() -> None:
 
 def test_the_sloppy_teacher_is_right_3_times_in_10(warm_start: Any) -> None:
     """Played through the pipeline (PromptTask, no system message): one answer per
-    episode, the loss on exactly its tokens; right 30% of the time, else one off."""
+    episode, the loss on exactly its tokens; right 30% of the time, else one too many."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(warm_start)
@@ -71,7 +71,7 @@ def test_the_sloppy_teacher_is_right_3_times_in_10(warm_start: Any) -> None:
         assert text.endswith("</answer><|im_end|>")
         taught = {int(p) + 1 for p in (episode.targets >= 0).nonzero()[0]}
         assert taught == set(range(start, end))
-    assert set(offsets) == {-1, 0, 1} and offsets[0] == 225
+    assert offsets == {0: 225, 1: 525}
 
 
 def test_the_sums_warm_start_ships(warm_start: Any) -> None:

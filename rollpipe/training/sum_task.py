@@ -7,7 +7,7 @@ The dataset is every ``"What is A + B?"`` for digits ``A, B`` (100 problems), ea
 from a fixed seed, are never trained on: neither by the warm start nor by GRPO.
 
 The teacher (:func:`sloppy_policy`) answers ``<answer>N</answer>``, right only 3 times in
-10: 4 times in 10 it says ``A + B + 1`` and 3 times ``A + B - 1``. A model imitating it
+10: the other 7 times it says ``A + B + 1``. A model imitating it
 puts real probability on the right sum, but its most likely answer is one too many, so
 greedy decoding is mostly wrong. The verifier's reward, not the imitation data, defines
 correctness: that is what GRPO has to find. :func:`teacher_episodes` plays the teacher
@@ -55,9 +55,9 @@ SUM_ENV_CONFIG: dict[str, Any] = {"score": "exact", "system_prompt": None}
 SUM_EPISODE: dict[str, Any] = {"max_turns": 1, "max_tokens": 8}
 """One answer of up to 8 tokens (``<answer>17</answer>`` and the end of turn is 7)."""
 
-TEACHER_OFFSETS = (0, 1, -1, 1, 0, -1, 1, 0, -1, 1)
+TEACHER_OFFSETS = (0, 1, 1, 1, 0, 1, 1, 0, 1, 1)
 """The teacher's error on its k-th answer to a problem (``k % 10``): right 3 times in 10,
-one too many 4 times, one too few 3 times."""
+one too many the other 7."""
 
 _QUESTION = re.compile(r"What is (\d+) \+ (\d+)\?")
 _EOT = "<|im_end|>"
@@ -80,7 +80,7 @@ def held_out_rows() -> list[dict[str, Any]]:
 
 def sloppy_policy(tokenizer: Any) -> Callable[[Sequence[int], SamplingParams], list[int]]:
     """The sloppy teacher as a ``ScriptedEngine`` policy: its k-th answer to a problem is
-    ``A + B + TEACHER_OFFSETS[k % 10]`` (never below 0), then the end-of-turn token.
+    ``A + B + TEACHER_OFFSETS[k % 10]``, then the end-of-turn token.
     The answers to a problem form the same multiset whatever order requests come in."""
     seen: Counter[tuple[int, int]] = Counter()
     lock = threading.Lock()
@@ -94,7 +94,6 @@ def sloppy_policy(tokenizer: Any) -> Callable[[Sequence[int], SamplingParams], l
             k = seen[a, b]
             seen[a, b] += 1
         total = a + b + TEACHER_OFFSETS[k % len(TEACHER_OFFSETS)]
-        total = a + b + 1 if total < 0 else total
         text = f"<answer>{total}</answer>{_EOT}"
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 

@@ -56,10 +56,10 @@ class SumWarmStartRecipe:
     num_heads: int = 2
     intermediate_size: int = 256
     repeats: int = 10
-    steps: int = 2000
+    steps: int = 2500
     batch_size: int = 32
-    lr: float = 3e-3
-    warmup: int = 30
+    lr: float = 1e-3
+    warmup: int = 100
     weight_decay: float = 0.01
     threads: int = 1
 
