@@ -4,6 +4,7 @@ expert's and the guesser's transcripts are what the warm start imitates, and the
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -128,3 +129,52 @@ def test_expert_episodes_mix_calls_and_guesses(tools_tokenizer: Any) -> None:
         expert_episodes(tools_tokenizer, 4, seed=3, env="lookup", texts=guess_texts, chunk=4)
     )
     assert all(e.turns == 1 for e in guesses)
+
+
+def test_the_lookup_warm_start_ships_and_did_not_learn_the_calls_worth() -> None:
+    """The shipped weights are the recipe's; its training mix answered 70% of the time
+    without the call, which is what GRPO has to unlearn (docs/learning.md)."""
+    from rollpipe.training.tool_warm_start import (
+        LOOKUP_RECIPE,
+        LOOKUP_SHIPPED_DIR,
+        tool_warm_start_model_path,
+    )
+
+    assert tool_warm_start_model_path(LOOKUP_RECIPE) == LOOKUP_SHIPPED_DIR
+    assert (LOOKUP_SHIPPED_DIR / "model.safetensors").stat().st_size < 2**20
+    assert LOOKUP_RECIPE.guess_rate == 0.7
+
+
+@pytest.fixture(scope="module")
+def lookup_engine() -> Any:
+    from rollpipe.engines.vllm import VLLMEngine
+    from rollpipe.training.tool_warm_start import LOOKUP_SHIPPED_DIR
+
+    with VLLMEngine(LOOKUP_SHIPPED_DIR, kv_cache_space_gib=0.5, max_model_len=1024, seed=0) as e:
+        yield e
+
+
+@pytest.mark.parametrize("kind", ["lookup", "lookup-agent"])
+def test_grpo_steps_on_the_tool_task(kind: str, lookup_engine: Any) -> None:
+    """``rollpipe train --env lookup`` / ``--env lookup-agent`` (the openai-client agent,
+    through the front door) for 3 steps at a high learning rate, from the shipped warm
+    start: finite losses, a new policy version each step, the trainer's log-probs still
+    match the engine's after each update (the new weights reached the engine), tool
+    calls made and parsed, and the held-out evaluation before and after."""
+    from safetensors.torch import load_file
+
+    from rollpipe.training.grpo_loop import train_grpo
+    from rollpipe.training.tool_warm_start import LOOKUP_SHIPPED_DIR
+
+    start = lookup_engine.update_weights(load_file(LOOKUP_SHIPPED_DIR / "model.safetensors"))
+    result = train_grpo(
+        steps=3, batch_size=32, group_size=8, lr=1e-3, warmup=1, env=kind,
+        eval_episodes=16, engine=lookup_engine,
+    )  # fmt: skip
+    history = result["history"]
+    assert [h["version"] for h in history] == [start + 1, start + 2, start + 3]
+    assert all(math.isfinite(h["loss"]) for h in history)
+    assert history[0]["updates"] >= 1, history  # the warm start's groups differ in reward
+    assert all(h["logprob_gap"] < 0.02 for h in history), history
+    assert 1.0 < history[0]["turns"] <= 2.0  # some episodes called the tool
+    assert [e["episodes"] for e in result["evals"]] == [16, 16]

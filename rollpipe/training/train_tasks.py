@@ -16,7 +16,7 @@ from rollpipe.nodes.episode_source import EnvChoice
 from rollpipe.training.evaluate import EVAL_MAX_TURNS
 from rollpipe.training.sum_task import SUM_ENV_CONFIG, SUM_EPISODE, held_out_rows, train_rows
 from rollpipe.training.tool_expert import TOOL_EPISODE
-from rollpipe.training.tool_warm_start import CALCULATOR_RECIPE
+from rollpipe.training.tool_warm_start import DEFAULT_TOOL_RECIPE
 
 __all__ = ["TASKS", "TrainTask", "train_task"]
 
@@ -28,15 +28,15 @@ def _frozenlake_model() -> Path:
 
 
 def _lookup_model() -> Path:
-    from rollpipe.training.tool_warm_start import tool_warm_start_model_path
+    from rollpipe.training.tool_warm_start import LOOKUP_RECIPE, tool_warm_start_model_path
 
-    return tool_warm_start_model_path()
+    return tool_warm_start_model_path(LOOKUP_RECIPE)
 
 
 def _calculator_model() -> Path:
-    from rollpipe.training.tool_warm_start import CALCULATOR_RECIPE, tool_warm_start_model_path
+    from rollpipe.training.tool_warm_start import tool_warm_start_model_path
 
-    return tool_warm_start_model_path(CALCULATOR_RECIPE)
+    return tool_warm_start_model_path()
 
 
 def _sums_model() -> Path:
@@ -96,7 +96,7 @@ TASKS: dict[str, TrainTask] = {
         TOOL_EPISODE["tool_parser"],
         _calculator_model,
         "the calculator tool task",
-        {"digits": CALCULATOR_RECIPE.digits},  # the digits its warm start learned
+        {"digits": DEFAULT_TOOL_RECIPE.digits},  # the digits its warm start learned
     ),
     "sums": TrainTask(
         "task",  # PromptTask on the rows below
