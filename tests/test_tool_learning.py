@@ -53,7 +53,9 @@ def test_the_expert_names_what_it_cannot_play() -> None:
 
 
 def test_unknown_train_task_lists_the_known_ones() -> None:
-    with pytest.raises(ValueError, match=r"env='chess'.*\['calculator', 'frozenlake'\]"):
+    with pytest.raises(
+        ValueError, match=r"env='chess'.*\['calculator', 'frozenlake', 'lookup', 'lookup-agent'"
+    ):
         train_task("chess")
 
 

@@ -201,10 +201,17 @@ def train_grpo(
         }
         result = evaluate(engine, tokenizer, episodes=eval_episodes, **settings)
         sampled = evaluate(engine, tokenizer, episodes=eval_episodes, temperature=1.0, **settings)
-        evals.append({"step": step, **result.as_dict(), "sampled_success": sampled.success})
+        record = {"step": step, **result.as_dict(), "sampled_success": sampled.success}
+        without = ""
+        if task_of.env_without_tool is not None:  # what the answers owe to the tool
+            settings["env"] = task_of.env_without_tool
+            locked = evaluate(engine, tokenizer, episodes=eval_episodes, **settings)
+            record["success_without_tool"] = locked.success
+            without = f", {locked.success:.3f} greedy with the tool's answers taken away"
+        evals.append(record)
         console.print(
             f"[bold]held-out after {step} steps[/bold]: success {result.success:.3f} greedy, "
-            f"{sampled.success:.3f} sampled; score {result.score:+.3f} "
+            f"{sampled.success:.3f} sampled{without}; score {result.score:+.3f} "
             f"({result.episodes} seeds)"
         )
 

@@ -51,7 +51,9 @@ class TrainTask:
     turn, ``tool_parser`` (``None`` for text envs), ``warm_start()`` (the model path to
     start from), ``title`` (for the learning curve) and the env's ``config``. A prompt
     dataset task also gives ``dataset()`` (the rows GRPO trains on) and ``held_out()``
-    (the rows evaluation plays, never trained on)."""
+    (the rows evaluation plays, never trained on). A tool task may give ``without_tool``:
+    the config under which its tool answers nothing useful, evaluated alongside to show
+    what the tool is worth."""
 
     name: str
     max_turns: int
@@ -62,11 +64,19 @@ class TrainTask:
     config: Mapping[str, Any] = attrs.field(factory=dict)
     dataset: Callable[[], Sequence[Any]] | None = None  # a prompt dataset's training rows
     held_out: Callable[[], Sequence[Any]] | None = None  # and its held-out rows
+    without_tool: Mapping[str, Any] | None = None  # config that takes the tool's answers away
 
     @property
     def env(self) -> EnvChoice:
         """The env as the pipeline takes it (name and config)."""
         return EnvChoice(self.name, self.config)
+
+    @property
+    def env_without_tool(self) -> EnvChoice | None:
+        """The env with its tool's answers taken away (None: not a tool task that can)."""
+        if self.without_tool is None:
+            return None
+        return EnvChoice(self.name, {**self.config, **self.without_tool})
 
 
 TASKS: dict[str, TrainTask] = {
@@ -80,6 +90,7 @@ TASKS: dict[str, TrainTask] = {
         TOOL_EPISODE["tool_parser"],
         _lookup_model,
         "the lookup tool task",
+        without_tool={"tool_available": False},
     ),
     "lookup-agent": TrainTask(
         "rollpipe.training.lookup_agent:lookup_agent_env",
