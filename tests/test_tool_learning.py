@@ -48,7 +48,7 @@ def test_expert_transcripts_call_the_tool_and_succeed(warm_start: Any) -> None:
 
 
 def test_the_expert_names_what_it_cannot_play() -> None:
-    with pytest.raises(ValueError, match="plays only the calculator env"):
+    with pytest.raises(ValueError, match="plays only the calculator and lookup envs"):
         expert_texts("<|im_start|>user\nWalk to the goal.<|im_end|>")
 
 
