@@ -103,6 +103,14 @@ def plot_curve(
             color="C1",
             label="held-out, sampled (temperature 1)",
         )
+    if evals and "success_without_tool" in evals[0]:
+        top.plot(
+            [e["step"] for e in evals],
+            [e["success_without_tool"] for e in evals],
+            "v:",
+            color="C7",
+            label="held-out, greedy, the tool's answers taken away",
+        )
     top.set_ylabel("success rate")
     top.set_ylim(0, 1)
     top.legend(loc="upper left", fontsize="small")
