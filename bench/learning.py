@@ -13,7 +13,13 @@ On the warm start that ships with rollpipe (its own vLLM engine, float32):
   plain ÷ with the shared prefix run once (``token_logprobs(share_prefix=True)``);
 * ``grpo_success_gain`` — held-out success after ``grpo_steps`` GRPO steps minus before
   (:func:`rollpipe.training.grpo_loop.train_grpo`), the median over ``grpo_seeds`` training
-  seeds, with ``grpo_minutes`` (the median run's wall time, evaluations included).
+  seeds, with ``grpo_minutes`` (the median run's wall time, evaluations included);
+* ``grpo_gain/<kind>`` — the same for the other episode kinds, each from its own shipped
+  warm start with its documented settings (:data:`KINDS`, docs/learning.md): ``lookup``
+  (a tool the answer needs), ``lookup-agent`` (the same task as an ``openai``-client
+  agent, through the front door) and ``sums`` (a prompt dataset through ``PromptTask``,
+  its held-out problems); ``grpo_without_tool/lookup`` is the trained policy's held-out
+  success with the tool's answers taken away.
 """
 
 from __future__ import annotations
@@ -36,6 +42,12 @@ from rollpipe.training.warm_start import warm_start_model_path
 from rollpipe.training.warm_start_files import RECIPE_FILE
 
 GRPO = {"batch_size": 128, "group_size": 8, "lr": 2e-4, "warmup": 5, "turn_weight": 1.0}
+KINDS: dict[str, dict[str, Any]] = {
+    "lookup": {"batch_size": 64, "group_size": 8, "lr": 5e-4},
+    "lookup-agent": {"batch_size": 64, "group_size": 8, "lr": 5e-4},
+    "sums": {"batch_size": 128, "group_size": 8, "lr": 2e-4},
+}
+"""Each episode kind's GRPO settings, as docs/learning.md runs them (steps: ``_kinds``)."""
 
 
 def _batch(engine: Any, tokenizer: Any, seed: int) -> Any:
@@ -129,4 +141,36 @@ def run(ctx: BenchContext) -> Figures:
     figures["grpo_steps"] = steps
     figures["grpo_minutes"] = rounded(minutes, 1)
     figures["grpo_eval_episodes"] = episodes
+    figures.update(_kinds(ctx, episodes))
+    return figures
+
+
+def _kinds(ctx: BenchContext, episodes: int) -> Figures:
+    """Held-out greedy success gained by GRPO on each kind of :data:`KINDS`: the median
+    over the training seeds, its minutes, and every seed's gain."""
+    figures: Figures = {}
+    steps = ctx.size(smoke=1, quick=10, full=40)
+    for kind, settings in KINDS.items():
+        runs = []
+        for seed in range(ctx.size(smoke=1, quick=1, full=3)):
+            ctx.log(f"  GRPO on {kind}, seed {seed}: {steps} steps")
+            out = train_grpo(
+                steps=steps,
+                seed=seed,
+                env=kind,
+                eval_every=0,
+                eval_episodes=episodes,
+                console=Console(quiet=True),
+                **settings,
+            )
+            first, last = out["evals"][0], out["evals"][-1]
+            runs.append((last["success"] - first["success"], out["minutes"], last))
+        runs.sort(key=lambda run: run[0])
+        gain, minutes, last = runs[len(runs) // 2]
+        figures[f"grpo_gain/{kind}"] = rounded(gain)
+        figures[f"grpo_gains/{kind}"] = [rounded(g) for g, _, _ in runs]
+        figures[f"grpo_minutes/{kind}"] = rounded(minutes, 1)
+        if "success_without_tool" in last:
+            figures[f"grpo_without_tool/{kind}"] = rounded(last["success_without_tool"])
+    figures["grpo_kind_steps"] = steps
     return figures

@@ -5,7 +5,9 @@ The same options as ``examples/grpo_train.py``; each maps onto
 measured run: 120 steps of 128 trajectories (16 groups of 8), lr 2e-4, GiGPO advantages,
 held-out success on 200 seeds every 40 steps, about 11 minutes on 2 CPU cores.
 ``--env calculator`` trains the tools warm start on the calculator tool task instead.
-``--env sums`` trains the sums warm start on a prompt dataset (RLVR, ``PromptTask``).
+``--env sums`` trains the sums warm start on a prompt dataset (RLVR, ``PromptTask``);
+``--env lookup`` / ``lookup-agent`` the lookup warm start on a tool task, as a ToolEnv or
+as an ``openai``-client agent through the front door.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument(
         "--env",
         default="frozenlake",
-        help="task to train on: frozenlake (default), calculator (tool calls, hermes "
-        "parser, from the tools warm start) or sums (a prompt dataset through PromptTask, "
-        "evaluated on its held-out problems)",
+        help="task to train on: frozenlake (default), lookup (a tool the answer needs, "
+        "hermes parser, from the lookup warm start), lookup-agent (the same task as an "
+        "openai-client agent, through the front door), sums (a prompt dataset through "
+        "PromptTask, evaluated on its held-out problems) or calculator (tool calls, from "
+        "the calculator warm start: does not learn yet)",
     )
     parser.add_argument("--steps", type=int, default=120, help="GRPO steps (default 120)")
     parser.add_argument("--batch-size", type=int, default=128, help="trajectories per step")
