@@ -28,7 +28,7 @@ def tools_tokenizer() -> Any:
     return AutoTokenizer.from_pretrained(tool_warm_start_model_path())
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.integers(min_value=0, max_value=2**31 - 1))
 def test_the_tool_opens_the_drawer_the_question_names(seed: int) -> None:
     env = make("lookup")
@@ -146,12 +146,22 @@ def test_the_lookup_warm_start_ships_and_did_not_learn_the_calls_worth() -> None
 
 
 @pytest.fixture(scope="module")
-def lookup_engine() -> Any:
-    from rollpipe.engines.vllm import VLLMEngine
-    from rollpipe.training.tool_warm_start import LOOKUP_SHIPPED_DIR
+def lookup_engine(tool_warm_start_engine: Any) -> Any:
+    """The session's tools warm start engine holding the lookup warm start's weights (the
+    same architecture and tokenizer): no engine of its own; the calculator's weights go
+    back in afterwards."""
+    from rollpipe.training.tool_warm_start import TOOL_SHIPPED_DIR
 
-    with VLLMEngine(LOOKUP_SHIPPED_DIR, kv_cache_space_gib=0.5, max_model_len=1024, seed=0) as e:
-        yield e
+    yield tool_warm_start_engine
+    tool_warm_start_engine.update_weights(_weights(TOOL_SHIPPED_DIR))
+
+
+def _weights(path: Any) -> Any:
+    """The model at ``path`` as the trainer holds it (float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("kind", ["lookup", "lookup-agent"])
@@ -161,15 +171,13 @@ def test_grpo_steps_on_the_tool_task(kind: str, lookup_engine: Any) -> None:
     start: finite losses, a new policy version each step, the trainer's log-probs still
     match the engine's after each update (the new weights reached the engine), tool
     calls made and parsed, and the held-out evaluation before and after."""
-    from safetensors.torch import load_file
-
     from rollpipe.training.grpo_loop import train_grpo
     from rollpipe.training.tool_warm_start import LOOKUP_SHIPPED_DIR
 
-    start = lookup_engine.update_weights(load_file(LOOKUP_SHIPPED_DIR / "model.safetensors"))
+    start = lookup_engine.update_weights(_weights(LOOKUP_SHIPPED_DIR))
     result = train_grpo(
         steps=3, batch_size=32, group_size=8, lr=1e-3, warmup=1, env=kind,
-        eval_episodes=16, engine=lookup_engine,
+        eval_episodes=16, engine=lookup_engine, model_path=LOOKUP_SHIPPED_DIR,
     )  # fmt: skip
     history = result["history"]
     assert [h["version"] for h in history] == [start + 1, start + 2, start + 3]
