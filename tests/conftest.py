@@ -73,12 +73,12 @@ def tools_vllm_engine() -> Iterator[Any]:
 
 @pytest.fixture(scope="session")
 def tool_warm_start_engine() -> Iterator[Any]:
-    """One in-process VLLMEngine on the shipped tools warm start (it calls the calculator),
-    shared by the tests of the examples that show a working tool agent."""
+    """One in-process VLLMEngine on the shipped lookup warm start (it calls the lookup
+    tool), shared by the tests of the examples that show a working tool agent."""
     from rollpipe.engines.vllm import VLLMEngine
-    from rollpipe.training.tool_warm_start import tool_warm_start_model_path
+    from rollpipe.training.tool_warm_start import LOOKUP_RECIPE, tool_warm_start_model_path
 
-    path = tool_warm_start_model_path()
+    path = tool_warm_start_model_path(LOOKUP_RECIPE)
     yield from _shared(VLLMEngine(path, kv_cache_space_gib=0.5, max_model_len=1024, seed=0))
 
 

@@ -77,12 +77,12 @@ def _first_prompts(batch) -> dict[int, list[int]]:
 
 
 def _well_formed_and_winning(batch) -> dict[str, float]:
-    """The tools warm start on its first run: about one well-formed call per episode, and
-    some episodes won (4-8% of the calculator's held-out seeds, docs/tools.md)."""
+    """The lookup warm start on its first run: it calls in about 4 episodes of 10, its
+    calls well formed, and wins about 4 in 10 (docs/tools.md)."""
     metrics = batch.meta_info["metrics"]
-    well_formed = metrics["tool/calls"] - metrics["tool/malformed"]
-    assert well_formed >= 0.8 * len(batch), metrics
-    assert metrics["success_rate"] > 0, metrics
+    assert metrics["tool/calls"] >= 0.2 * len(batch), metrics
+    assert metrics["tool/malformed"] <= 0.05 * metrics["tool/calls"], metrics
+    assert metrics["success_rate"] >= 0.2, metrics
     return metrics
 
 
@@ -92,12 +92,12 @@ def test_tool_agent_calls_the_tool_and_wins_on_the_first_run(tool_warm_start_eng
     _well_formed_and_winning(batch)
     shown = capsys.readouterr().out
     assert "tool/calls: " in shown and "success_rate: " in shown
-    assert '[[<tool_call>\n{"name": "calculate"' in shown  # the best episode, its call marked
+    assert '[[<tool_call>\n{"name": "lookup"' in shown  # a won episode, its call marked
 
 
 def test_openai_agent_sends_what_tool_env_shows_and_wins(tool_warm_start_engine):
     """Through the front door the agent's first prompts are, token for token, the ones the
-    calculator ToolEnv renders for the same seeds: the conversation the warm start was
+    lookup ToolEnv renders for the same seeds: the conversation the warm start was
     trained on, hence its well-formed calls."""
     agent = load("openai_agent").main(engine=tool_warm_start_engine)
     assert len(agent) == 256

@@ -23,15 +23,16 @@ def test_the_agent_example_is_about_30_lines_and_its_calls_are_real() -> None:
     some episodes on the first run (the figures docs/agents.md quotes)."""
     code = block("agent-example")
     lines = [line for line in code.splitlines() if line.strip() and not line.startswith("#")]
-    assert len(lines) <= 33, f"{len(lines)} lines of code"
+    assert len(lines) <= 34, f"{len(lines)} lines of code"
     namespace: dict[str, Any] = {}
     exec(compile(code, "docs/agents.md", "exec"), namespace)
     batch = namespace["batch"]
     assert len(batch) == 256 and len(set(batch.non_tensor_batch["uid"])) == 64
     assert set(batch.non_tensor_batch["end_reasons"]) == {"terminated"}
     metrics = batch.meta_info["metrics"]
-    assert metrics["tool/calls"] - metrics["tool/malformed"] >= 0.8 * len(batch), metrics
-    assert metrics["success_rate"] > 0, metrics
+    assert metrics["tool/calls"] >= 0.2 * len(batch), metrics  # about 4 episodes in 10 call
+    assert metrics["tool/malformed"] <= 0.05 * metrics["tool/calls"], metrics
+    assert metrics["success_rate"] >= 0.2, metrics
 
 
 AGENT = """
@@ -70,8 +71,8 @@ def test_the_agent_example_survives_any_arguments() -> None:
     exec(compile(code, "docs/agents.md", "exec"), namespace)
     (tool,) = namespace["TOOLS"]
     name = tool["function"]["name"]
-    arguments = ['{"expression": "2 + 3"}', "false", "120005860", "[1, 2]", "not json"]
-    arguments += ['{"a": 1}', '{"expression": "2 +"}']
+    arguments = ['{"drawer": 4}', "false", "120005860", "[1, 2]", "not json"]
+    arguments += ['{"a": 1}', '{"drawer": 12}']
     calls = [
         {"id": f"c{i}", "type": "function", "function": {"name": name, "arguments": a}}
         for i, a in enumerate(arguments)
@@ -89,9 +90,11 @@ def test_the_agent_example_survives_any_arguments() -> None:
             return ChatCompletion.model_validate({**body, "choices": [choice]})
 
     client = type("Client", (), {"chat": type("Chat", (), {"completions": Completions()})})()
-    result = asyncio.run(namespace["agent"](client, ("What is 2 + 3?", 5)))
+    task = ("Which digit is in drawer 4?", (4, [0, 1, 2, 5, 4, 3, 6, 7, 8]))
+    result = asyncio.run(namespace["agent"](client, task))
     assert getattr(result, "reward", result) == 1.0 and len(sent) == 2
     results = [m["content"] for m in sent[1] if isinstance(m, dict) and m["role"] == "tool"]
     assert results[0] == "5" and len(results) == len(arguments)
-    kinds = ["TypeError", "TypeError", "TypeError", "JSONDecodeError", "TypeError", "SyntaxError"]
-    assert [r.split("(")[0] for r in results[1:]] == [f"error: {k}" for k in kinds]
+    kinds = ["TypeError", "TypeError", "TypeError", "JSONDecodeError", "KeyError"]
+    assert [r.split("(")[0] for r in results[1:-1]] == [f"error: {k}" for k in kinds]
+    assert results[-1] == "no such drawer"

@@ -147,13 +147,12 @@ def test_the_lookup_warm_start_ships_and_did_not_learn_the_calls_worth() -> None
 
 @pytest.fixture(scope="module")
 def lookup_engine(tool_warm_start_engine: Any) -> Any:
-    """The session's tools warm start engine holding the lookup warm start's weights (the
-    same architecture and tokenizer): no engine of its own; the calculator's weights go
-    back in afterwards."""
-    from rollpipe.training.tool_warm_start import TOOL_SHIPPED_DIR
+    """The session's tools warm start engine (on the lookup warm start); its weights go
+    back to the shipped ones afterwards, for the tests that share it."""
+    from rollpipe.training.tool_warm_start import LOOKUP_SHIPPED_DIR
 
     yield tool_warm_start_engine
-    tool_warm_start_engine.update_weights(_weights(TOOL_SHIPPED_DIR))
+    tool_warm_start_engine.update_weights(_weights(LOOKUP_SHIPPED_DIR))
 
 
 def _weights(path: Any) -> Any:

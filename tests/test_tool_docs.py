@@ -1,6 +1,6 @@
-"""docs/tools.md's first-run block runs as written: on the shipped tools warm start the
-calculator ToolEnv's calls are well formed and some episodes are won (the page quotes
-this machine's figures: 255 calls, 13 malformed, 10 of 256 won)."""
+"""docs/tools.md's first-run block runs as written: on the shipped lookup warm start the
+lookup ToolEnv's calls are well formed and about 4 episodes in 10 are won (the page
+quotes this machine's figures); docs/datasets.md's calculator rows on the calculator's."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ def test_the_first_run_block_makes_real_calls_and_wins(capsys: Any) -> None:
     namespace: dict[str, Any] = {}
     exec(compile(block("tool-first-run"), "docs/tools.md", "exec"), namespace)
     metrics = namespace["batch"].meta_info["metrics"]
-    well_formed = metrics["tool/calls"] - metrics["tool/malformed"]
-    assert well_formed >= 0.8 * 256 and metrics["success_rate"] > 0, metrics
+    assert metrics["tool/calls"] >= 0.2 * 256, metrics  # it calls in about 4 episodes of 10
+    assert metrics["tool/malformed"] <= 0.05 * metrics["tool/calls"], metrics
+    assert metrics["success_rate"] >= 0.2, metrics
     assert "tool/calls" in capsys.readouterr().out
 
 
