@@ -132,3 +132,19 @@ def test_grpo_steps_on_the_prompt_dataset(warm_start: Any, tmp_path: Any) -> Non
         answer = tokenizer.decode(ids[response], skip_special_tokens=False)
         assert float(td["episode_scores"][i]) == exact_match(answer, row["answer"])
     assert SUM_ENV_CONFIG["system_prompt"] is None
+
+
+def test_the_datasets_first_run_block_wins_some() -> None:
+    """docs/datasets.md's first run on the sums warm start, as written: one batch of the
+    training rows, about a third of the episodes won (the teacher's 3 in 10)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "datasets.md").read_text()
+    match = re.search(r"<!-- doctest: sums-first-run -->\n```python\n(.*?)```", text, re.S)
+    assert match, "docs/datasets.md lost its <!-- doctest: sums-first-run --> block"
+    namespace: dict[str, Any] = {}
+    exec(compile(match.group(1), "docs/datasets.md", "exec"), namespace)
+    batch = namespace["batch"]
+    assert len(batch) == 128
+    assert 0.1 <= batch.meta_info["metrics"]["success_rate"] <= 0.6, batch.meta_info["metrics"]
