@@ -46,6 +46,8 @@ _EXPORTS: dict[str, str] = {
     "EngineClosedError": "rollpipe.engines.records",
     "VLLMEngine": "rollpipe.engines.vllm",
     "HFEngine": "rollpipe.engines.hf",
+    "EnginePool": "rollpipe.engines.pool",
+    "Correction": "rollpipe.corrections.correction",
     "build_tiny_model": "rollpipe.engines.tiny_model",
     "default_model_path": "rollpipe.engines.tiny_model",
     "UpstreamSignals": "rollpipe.nodes.signals",
@@ -85,7 +87,9 @@ if TYPE_CHECKING:
     from rollpipe.data.roll_layout import to_roll
     from rollpipe.data.rows import step_rows, trajectory_rows
     from rollpipe.data.verl_layout import to_verl
+    from rollpipe.corrections.correction import Correction
     from rollpipe.engines.hf import HFEngine
+    from rollpipe.engines.pool import EnginePool
     from rollpipe.engines.records import EngineClosedError, EngineError, Generation, SamplingParams
     from rollpipe.engines.scripted import ScriptedEngine
     from rollpipe.engines.tiny_model import build_tiny_model, default_model_path
