@@ -45,28 +45,24 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Literal
 
 import attrs
-import numpy as np
 
 from rollpipe._utils.checks import float_in, instance_of, int_in, one_of, optional, seconds_or_none
-from rollpipe._utils.seeding import derive_seed
 from rollpipe.agent.chat import DEFAULT_SYSTEM_PROMPT, ChatFormat, parser_name
-from rollpipe.agent.dialog import Dialog
-from rollpipe.agent.engine_request import generate_turn
+from rollpipe.agent.conversation import ChatConversation, Conversation, TextConversation
 from rollpipe.agent.env_caller import Clock, EnvCaller
 from rollpipe.agent.env_errors import EnvFailed
 from rollpipe.agent.env_returns import check_reset, check_step, clip_reward
 from rollpipe.agent.env_threads import EnvLease, EnvThreads
 from rollpipe.agent.generation_timeout import GenerationTimeoutError
 from rollpipe.agent.messages import messages_text
-from rollpipe.agent.records import EndReason, EpisodeSpec, Trajectory, Turn
+from rollpipe.agent.records import EndReason, EpisodeSpec, Trajectory
 from rollpipe.agent.tools import tool_set
-from rollpipe.engines.inputs import CheckedIds
 from rollpipe.engines.protocol import Engine
-from rollpipe.engines.records import Generation, SamplingParams
+from rollpipe.engines.records import SamplingParams
 from rollpipe.engines.routing import Session, in_session
 from rollpipe.envs.base import env_tools, takes_action
 from rollpipe.envs.metrics import aggregate_metrics, step_metrics
@@ -174,50 +170,24 @@ class EpisodeSettings:
         )
 
 
-# (id of the settings' sampling, end-of-turn id) -> (that sampling, the episode's): held,
-# so an id is not reused while its entry lives; no hashing (a field may not hash)
-_SAMPLINGS: dict[tuple[int, int | None], tuple[SamplingParams, SamplingParams]] = {}
-
-
-def _episode_sampling(sampling: SamplingParams, eot_id: int | None) -> SamplingParams:
-    """``sampling`` with the template's end-of-turn token among its stop ids (unless
-    ``ignore_eos``): the same for every episode of a run, so made once per run (a
-    ``replace`` checks every field again: ~5 µs an episode)."""
-    key = (id(sampling), eot_id)
-    hit = _SAMPLINGS.get(key)
-    if hit is not None and hit[0] is sampling:
-        return hit[1]
-    stop_ids = tuple(sampling.stop_token_ids)
-    if eot_id is not None and eot_id not in stop_ids and not sampling.ignore_eos:
-        stop_ids = (*stop_ids, eot_id)
-    out = sampling.replace(stop_token_ids=stop_ids)
-    if len(_SAMPLINGS) >= 64:
-        _SAMPLINGS.clear()
-    _SAMPLINGS[key] = (sampling, out)
-    return out
-
-
-def _dialog(chat: ChatFormat, env: Any, observation: Any) -> Dialog | None:
-    """A Dialog for a chat env (tools, message observations or structured actions), else
-    None: text envs keep the text path exactly."""
+def _conversation(
+    spec: EpisodeSpec,
+    chat: ChatFormat,
+    env: Any,
+    observation: Any,
+    sampling: SamplingParams,
+    clock: Clock,
+    route: Session,
+) -> Conversation:
+    """A chat conversation for a chat env (tools, message observations or structured
+    actions), else a text one: text envs keep the text path exactly."""
     tools = env_tools(env)
-    if not (tools or takes_action(env) or not isinstance(observation, str)):
-        return None
-    return Dialog(chat, tool_set(tools))
-
-
-def _turn(prompt: Sequence[int], gen: Generation, text: str, observation: str) -> dict[str, Any]:
-    n = len(gen.token_ids)
-    return {
-        "prompt_ids": prompt,
-        "response_ids": gen.token_ids,
-        # engines asked for no logprobs return none: record 0.0 (documented)
-        "logprobs": gen.logprobs if len(gen.logprobs) == n else (0.0,) * n,
-        "versions": gen.versions,
-        "finish_reason": gen.finish_reason,
-        "action_text": text,
-        "observation": observation,
-    }
+    structured = takes_action(env)
+    if not (tools or structured or not isinstance(observation, str)):
+        return TextConversation(spec, chat, sampling, clock, route)
+    return ChatConversation(
+        spec, chat, sampling, clock, route, tools=tool_set(tools), structured=structured
+    )
 
 
 async def run_episode(
@@ -259,8 +229,7 @@ async def run_episode(
     """
     s = settings
     chat = chat.for_env(env)  # an env's own system prompt, if it declares one
-    sampling, reward_clip, on_length = s.sampling, s.reward_clip, s.on_length
-    penalty = s.cut_turn_reward
+    reward_clip, on_length, penalty = s.reward_clip, s.on_length, s.cut_turn_reward
     clock = Clock()
     own_threads = env_threads is None  # run_episode alone: one thread, if the env blocks
     threads = EnvThreads(1, "rollpipe-episode-env") if env_threads is None else env_threads
@@ -274,13 +243,8 @@ async def run_episode(
             clock.clipped_rewards += clipped
         return check_step(env, result)
 
-    session = Session(spec.episode_id)
-    turns: list[Turn] = []
-    # conversation mode: every id the engine has seen or produced, checked as it grew (the
-    # engine's check costs the new ids); each turn's prompt is a view of it, not a copy
-    context = CheckedIds()
-    windowed = chat.history_window is not None
-    sampling = _episode_sampling(sampling, chat.eot_id)  # each turn: max_tokens and seed
+    route = Session(spec.episode_id)
+    conv: Conversation = TextConversation(spec, chat, s.sampling, clock, route)  # until reset
     end_reason: EndReason = "max_turns"
     error: str | None = None
     failure: EnvFailed | None = None
@@ -289,85 +253,59 @@ async def run_episode(
     metrics: list[dict[str, float]] = []  # each env step's info["metrics"]
     agg_modes: dict[str, str] = {}  # the latest aggregation mode named for each metric
 
-    def done(reason: EndReason, err: str | None = None) -> Trajectory:
-        return Trajectory(
-            spec=spec,
-            env_id=env_id,
-            turns=tuple(turns),
-            score=sum(t.reward for t in turns),
-            success=success,
-            end_reason=reason,
-            error=err,
-            env_time_s=clock.env,
-            engine_time_s=clock.engine,
-            aborted_tokens=clock.aborted_tokens,
-            clipped_rewards=clock.clipped_rewards,
-            final_observation=messages_text(observation),
-            history_window=chat.history_window,
-            env_metrics=aggregate_metrics(metrics, agg_modes),
-            error_type=None if failure is None else type(failure.error).__name__,
-            error_call=None if failure is None else failure.call,
-        )
-
-    with in_session(session):  # every request of the episode: a pool keeps it on one rank
+    with in_session(route):  # every request of the episode: a pool keeps it on one rank
         try:
             reset = functools.partial(check_reset, env)
             row = {} if spec.row_index is None else {"row": spec.row}  # a dataset's group
             observation, info = await call_env("reset", 0, reset, spec.seed, **row)
             success = bool(info.get("success", False))
             try:
-                dialog = _dialog(chat, env, observation)
+                conv = _conversation(spec, chat, env, observation, s.sampling, clock, route)
             except ValueError as exc:  # tools without a schema, a window with a chat env
                 raise EnvFailed(exc, f"{type(env).__name__}.tools: {call_env.episode(0)}") from exc
-            structured = dialog is not None and takes_action(env)
             for t in range(s.max_turns):
-                broke, packed = False, None
-                if dialog is None:  # the cached pieces come packed (None in window mode)
-                    added, packed = chat.packed_turn_prompt(observation, turns)
-                elif not turns:
-                    added = dialog.first_prompt(observation)
-                else:
-                    added, broke = dialog.continuation(observation, turns[-1].response_ids)
-                if not windowed:  # grown in place, bounds read from the row's own ids
-                    packed = np.fromiter(added, np.int64, len(added)) if packed is None else packed
-                    context.extend_packed(added, packed)
-                prompt: Sequence[int] = added if windowed else context.view()  # not a copy
+                prompt, added, packed, broke = conv.prompt(observation)
                 budget = s.max_length - len(prompt)
                 if budget < 1:
                     end_reason = "max_length"
                     break
-                seed = derive_seed(spec.seed, spec.episode_id, t)
-                params = sampling.for_request(min(sampling.max_tokens, budget), seed)
+                params = conv.turn_sampling(budget)
                 try:
-                    limit = s.generation_timeout_s
-                    gen = await generate_turn(
-                        engine, prompt, params, admit, s.max_aborts, clock, session, limit
+                    gen = await conv.generate(
+                        engine,
+                        prompt,
+                        params,
+                        admit=admit,
+                        max_aborts=s.max_aborts,
+                        timeout_s=s.generation_timeout_s,
                     )
                 except GenerationTimeoutError as exc:
                     where = f"engine request: {call_env.episode(t)}"
                     raise EnvFailed(exc, f"{where}, generation_timeout_s={exc.limit}") from exc
-                action = None if dialog is None else dialog.act(gen.token_ids, t)
-                text = (
-                    action.text if action is not None and structured else chat.decode(gen.token_ids)
-                )
-                fields = _turn(added, gen, text, messages_text(observation))
-                fields["prefix_break"], fields["prompt_array"] = broke, packed
-                if not windowed:  # past the end of the view the engine got (it may keep it)
-                    context.extend_checked(gen.token_ids, trusted=True)
+                text, action = conv.read(gen.token_ids)
+                shown = messages_text(observation)
+                fields = {"action_text": text, "observation": shown, "prefix_break": broke}
+                fields["prompt_array"] = packed
+                conv.responded(gen)
                 if gen.finish_reason == "length" and on_length != "step":
-                    turns.append(Turn(**fields, reward=penalty, action_valid=False, stepped=False))
+                    conv.record(
+                        added, gen, **fields, reward=penalty, action_valid=False, stepped=False
+                    )
                     if on_length == "end":
                         end_reason = "max_length"
                         break
                     continue
                 try:
-                    step = await call_env("step", t, checked_step, action if structured else text)
+                    stepped_with = action if conv.structured else text
+                    step = await call_env("step", t, checked_step, stepped_with)
                 except EnvFailed:
-                    turns.append(Turn(**fields, reward=0.0, action_valid=False, stepped=False))
+                    conv.record(added, gen, **fields, reward=0.0, action_valid=False, stepped=False)
                     raise
                 observation, reward, terminated, truncated, info = step
                 # an env that does not report action_valid: unknown (None), not invalid
-                turns.append(Turn(**fields, reward=reward, action_valid=info.get("action_valid")))
+                conv.record(
+                    added, gen, **fields, reward=reward, action_valid=info.get("action_valid")
+                )
                 success = bool(info.get("success", False))
                 try:
                     step_values, modes = step_metrics(info)
@@ -385,4 +323,13 @@ async def run_episode(
         finally:
             if own_threads:
                 threads.close(0.0)  # its thread ends once idle (or once a hung call returns)
-    return done(end_reason, error)
+    return conv.trajectory(
+        env_id=env_id,
+        success=success,
+        end_reason=end_reason,
+        error=error,
+        final_observation=messages_text(observation),
+        env_metrics=aggregate_metrics(metrics, agg_modes),
+        error_type=None if failure is None else type(failure.error).__name__,
+        error_call=None if failure is None else failure.call,
+    )

@@ -31,7 +31,6 @@ from typing import Any
 
 from aiohttp import web
 
-from rollpipe._utils.seeding import derive_seed
 from rollpipe.agent.chat import ChatFormat
 from rollpipe.agent.episode import EpisodeSettings
 from rollpipe.agent.generation_timeout import GenerationTimeoutError
@@ -186,7 +185,9 @@ class FrontDoor:
             n = next(self._ids)
             spec = EpisodeSpec(n, n, n, "agent")
         key = "rp-" + secrets.token_urlsafe(24)
-        session = AgentSession(key, spec, self.chat, admit, keep_tools=keep_tools)
+        session = AgentSession(
+            key, spec, self.chat, admit, keep_tools=keep_tools, sampling=self.settings.sampling
+        )
         self.sessions[key] = session
         if timeout_s is not None:
             self.engine.runtime.call_soon(self._expire_after, key, timeout_s)
@@ -289,7 +290,8 @@ class FrontDoor:
         if request.tool_choice in ("required", "function"):
             chat = self.chat
             outputs, json_calls = forced_outputs(request, chat.tokenizer, self._parsers())
-        return prompt, self._params(session, request, budget, outputs), json_calls
+        self._check_engine(request, outputs)
+        return prompt, session.sampling(request, budget, outputs), json_calls
 
     def _parsers(self) -> Any:
         """vLLM's composed parser class for the door's parsers (None: none set), built
@@ -361,29 +363,3 @@ class FrontDoor:
                     f"does not support {feature}; use a vLLM engine, or leave {param} out",
                     param,
                 )
-
-    def _params(
-        self,
-        session: AgentSession,
-        request: ChatRequest,
-        budget: int,
-        outputs: dict[str, Any] | None,
-    ) -> SamplingParams:
-        base = self.settings.sampling
-        wanted = dict(request.sampling)
-        max_tokens = min(wanted.pop("max_tokens", base.max_tokens), budget)
-        stop = tuple(base.stop_token_ids)
-        eot = self.chat.eot_id
-        if eot is not None and eot not in stop and not wanted.get("ignore_eos", base.ignore_eos):
-            stop = (*stop, eot)
-        spec = session.spec
-        seed = wanted.pop("seed", derive_seed(spec.seed, spec.episode_id, session.calls))
-        self._check_engine(request, outputs)
-        if outputs is not None:
-            wanted["structured_outputs"] = outputs
-        try:
-            return base.replace(
-                **wanted, max_tokens=max_tokens, seed=seed, stop_token_ids=stop, logprobs=True
-            )
-        except ValueError as exc:
-            raise RequestError(str(exc), None) from exc

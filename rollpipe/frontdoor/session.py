@@ -23,51 +23,38 @@ one row per session row and ``step_rows`` exactly each request's tokens.
 from __future__ import annotations
 
 import asyncio
-import copy
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import attrs
 
 from rollpipe.agent.actions import AssistantAction
 from rollpipe.agent.chat import ChatFormat
-from rollpipe.agent.dialog import Dialog
-from rollpipe.agent.engine_request import generate_turn
-from rollpipe.agent.env_caller import Clock
+from rollpipe.agent.conversation import ChatConversation, ChatPrompt
 from rollpipe.agent.episode import EpisodeSettings
 from rollpipe.agent.messages import messages_text
 from rollpipe.agent.records import EndReason, EpisodeSpec, Trajectory, Turn
-from rollpipe.agent.tools import tool_set
-from rollpipe.engines.inputs import CheckedIds
+from rollpipe.agent.tools import ToolSet, tool_set
 from rollpipe.engines.protocol import Engine, OnTokens
 from rollpipe.engines.records import Generation, SamplingParams
-from rollpipe.engines.routing import Session
 from rollpipe.frontdoor.forced import forced_action
 from rollpipe.frontdoor.requests import ChatRequest, RequestError, normalise_message
 
 __all__ = ["AgentSession", "Prompt"]
 
 
-@attrs.frozen
-class Prompt:
-    """One request's engine prompt: all of ``ids``; ``added`` is what it appended to the
-    row (the whole prompt when ``new_row``); ``new`` the messages it added. ``dialog`` is
-    the session's conversation with them added, adopted once the engine answered."""
-
-    ids: CheckedIds
-    added: list[int]
-    new_row: bool
-    new: tuple[dict[str, Any], ...]
-    dialog: Dialog
-    tools: tuple[dict[str, Any], ...] = ()  # the tools rendered (``keep_tools``: kept ones)
+Prompt = ChatPrompt  # one request's engine prompt (the name the front door used)
 
 
 class AgentSession:
-    """The recorded calls of one episode's key (see the module doc).
+    """The recorded calls of one episode's key (see the module doc), kept by a
+    :class:`~rollpipe.agent.conversation.ChatConversation`: the same turn building as
+    an env episode's.
 
     ``admit`` (the pipeline's admission, awaited before each engine request) holds
     requests while the pipeline is suspended. Requests of one session run one at a time.
     ``keep_tools``: render a request without ``tools`` with the session's last tools.
+    ``sampling``: the door's sampling, under each request's own fields.
     """
 
     def __init__(
@@ -78,72 +65,70 @@ class AgentSession:
         admit: Callable[[], Awaitable[None]] | None = None,
         *,
         keep_tools: bool = True,
+        sampling: SamplingParams | None = None,
     ) -> None:
         self.key, self.spec, self.chat, self.admit = key, spec, chat, admit
         self.keep_tools = keep_tools
-        self.rows: list[list[Turn]] = []
-        self.prefix_breaks = 0
-        self.calls = 0
+        self.conversation = ChatConversation(spec, chat, sampling or SamplingParams())
         self.tool_calls = 0  # calls the model made (``tool/calls``), and malformed ones
         self.malformed = 0
-        self.clock = Clock()
         self.lock = asyncio.Lock()
         self.finished = False
         self.failure: BaseException | None = None  # an engine error or request timeout
         self.in_flight: set[asyncio.Task[Any]] = set()
-        self.route = Session(spec.episode_id)  # an engine pool keeps its calls on one rank
         self.last_request: ChatRequest | None = None  # its messages are not checked twice
-        self._dialog: Dialog | None = None
-        self._tools: tuple[dict[str, Any], ...] = ()
-        self._context = CheckedIds()  # the current row's ids so far
+
+    @property
+    def calls(self) -> int:
+        """The calls recorded so far."""
+        return len(self.conversation.turns)
+
+    @property
+    def prefix_breaks(self) -> int:
+        """The calls that started a new row (the agent did not extend its conversation)."""
+        return self.conversation.prefix_breaks
+
+    @property
+    def rows(self) -> list[list[Turn]]:
+        """The recorded turns, one list per row."""
+        rows: list[list[Turn]] = []
+        for turn in self.conversation.turns:
+            if turn.new_row or not rows:
+                rows.append([])
+            rows[-1].append(turn)
+        return rows
 
     # -- prompts ------------------------------------------------------------------------
     def prompt_for(self, request: ChatRequest) -> Prompt:
         """The engine prompt of ``request`` (see the module doc); ``RequestError`` when the
         template cannot render its messages."""
-        messages = list(request.messages)
         tools = self.tools_for(request)
-        dialog = self._dialog
-        if (
-            dialog is not None
-            and self.rows
-            and self.rows[-1]
-            and tools == self._tools
-            and len(messages) > len(dialog.messages)
-            and messages[: len(dialog.messages)] == dialog.messages
-        ):
-            new = messages[len(dialog.messages) :]
-            last = self.rows[-1][-1].response_ids
-            trial = copy.copy(dialog)  # the session's own is changed only by record()
-            trial.messages = list(dialog.messages)
-            added, broke = self._rendering(lambda: trial.continuation(new, last))
-            if not broke:
-                ids = self._context.extended(added)
-                return Prompt(ids, added, False, tuple(new), trial, tools)
-        fresh = self._fresh_dialog(tools)
-        ids = self._rendering(lambda: fresh.first_prompt(messages))
-        return Prompt(CheckedIds(ids), ids, bool(self.rows), tuple(messages), fresh, tools)
+        return self._rendering(
+            lambda: self.conversation.propose(
+                list(request.messages), tools, lambda: self._tool_set(tools)
+            )
+        )
 
     def tools_for(self, request: ChatRequest) -> tuple[dict[str, Any], ...]:
         """The tools ``request`` is rendered with: its own, or with ``keep_tools`` and
         none sent, the session's last ones (see the module doc)."""
         if request.tools or not self.keep_tools:
             return request.tools
-        return self._tools
+        return self.conversation.tools
 
-    def _fresh_dialog(self, schemas: tuple[dict[str, Any], ...]) -> Dialog:
+    @staticmethod
+    def _tool_set(schemas: tuple[dict[str, Any], ...]) -> ToolSet:
         try:
-            tools = tool_set(list(schemas))
+            return tool_set(list(schemas))
         except ValueError as exc:
             raise RequestError(f"tools: {exc}", "tools") from exc
-        dialog = Dialog(self.chat, tools)
-        dialog.messages = []  # the agent's messages are the whole conversation
-        return dialog
 
     @staticmethod
     def _rendering(render: Callable[[], Any]) -> Any:
         try:
             return render()
+        except RequestError:
+            raise
         except (TypeError, ValueError, KeyError) as exc:
             raise RequestError(
                 f"the chat template could not render these messages: {exc}", "messages"
@@ -156,6 +141,19 @@ class AgentSession:
             raise
 
     # -- generating ---------------------------------------------------------------------
+    def sampling(
+        self, request: ChatRequest, budget: int, outputs: Mapping[str, Any] | None
+    ) -> SamplingParams:
+        """The call's sampling: the request's own fields over the door's, ``max_tokens``
+        within ``budget``, logprobs on, ``outputs`` (a forced call's grammar) if any."""
+        wanted = dict(request.sampling)
+        if outputs is not None:
+            wanted["structured_outputs"] = outputs
+        try:
+            return self.conversation.turn_sampling(budget, {**wanted, "logprobs": True})
+        except ValueError as exc:
+            raise RequestError(str(exc), None) from exc
+
     def generate(
         self,
         engine: Engine,
@@ -163,18 +161,16 @@ class AgentSession:
         prompt: Prompt,
         params: SamplingParams,
         on_tokens: OnTokens = None,
-    ) -> Coroutine[Any, Any, Generation]:
-        """The call's engine request (``generate_turn``): held while the pipeline is
-        suspended, kept on the session's rank, within ``settings``' limits."""
-        return generate_turn(
+    ) -> Awaitable[Generation]:
+        """The call's engine request: held while the pipeline is suspended, kept on the
+        session's rank, within ``settings``' limits."""
+        return self.conversation.generate(
             engine,
             prompt.ids,
             params,
-            self.admit,
-            settings.max_aborts,
-            self.clock,
-            self.route,
-            settings.generation_timeout_s,
+            admit=self.admit,
+            max_aborts=settings.max_aborts,
+            timeout_s=settings.generation_timeout_s,
             on_tokens=on_tokens,
         )
 
@@ -194,11 +190,7 @@ class AgentSession:
         ``shown``: the message the client got when not the parsed one (streamed).
         ``json_calls``: a forced call that came as JSON, not the model's markup.
         ``constrained``: sampled under a grammar (``Turn.constrained``)."""
-        if prompt.new_row or self._dialog is None:
-            self._tools = prompt.tools
-            self.rows.append([])
-            self.prefix_breaks += prompt.new_row
-        self._dialog = dialog = prompt.dialog  # the conversation up to this call's prompt
+        dialog = prompt.dialog  # the conversation up to this call's prompt
         dialog.messages[: len(request.messages)] = request.messages  # equal dicts; the
         # same objects let the next call's prefix check compare them by identity
         if text is None:
@@ -212,14 +204,11 @@ class AgentSession:
         dialog.messages.append(action.message() if shown is None else dict(shown))
         message = normalise_message(dialog.messages[-1], "response")
         dialog.messages[-1] = message
-        n = len(gen.token_ids)
-        turn = Turn(
-            prompt_ids=prompt.added,
-            response_ids=gen.token_ids,
-            logprobs=gen.logprobs if len(gen.logprobs) == n else (0.0,) * n,
-            versions=gen.versions,
+        self.conversation.adopt(prompt, gen)
+        self.conversation.record(
+            prompt.added,
+            gen,
             reward=0.0,
-            finish_reason="length" if gen.finish_reason == "length" else "stop",
             action_valid=None if not request.tools else not action.malformed,
             action_text=action.text,
             observation=messages_text([_shown(m) for m in prompt.new]),
@@ -227,11 +216,8 @@ class AgentSession:
             new_row=prompt.new_row,
             constrained=constrained,
         )
-        self.rows[-1].append(turn)
         self.tool_calls += len(action.tool_calls)
         self.malformed += action.malformed
-        self._context = prompt.ids.extended(gen.token_ids)  # prompt.ids stays the prompt
-        self.calls += 1
         return action, message
 
     # -- the result ---------------------------------------------------------------------
@@ -247,7 +233,7 @@ class AgentSession:
         env_id: int = 0,
     ) -> Trajectory:
         """The session's rows as a Trajectory; ``reward`` goes on the last turn."""
-        turns = [t for row in self.rows for t in row]  # later rows start with a new_row turn
+        turns = self.conversation.turns  # later rows start with a new_row turn
         if turns:
             turns[-1] = attrs.evolve(turns[-1], reward=reward)
         text = None if error is None else str(error) if isinstance(error, str) else repr(error)
@@ -256,17 +242,12 @@ class AgentSession:
                 f"{text[:500]} ({error_call or 'agent'}: episode {self.spec.episode_id}, "
                 f"seed {self.spec.seed}, call {self.calls})"
             )
-        return Trajectory(
-            spec=self.spec,
-            env_id=env_id,
-            turns=tuple(turns),
+        return self.conversation.trajectory(
             score=reward if turns else 0.0,
+            env_id=env_id,
             success=success,
             end_reason="error" if text is not None else end_reason,
             error=text,
-            engine_time_s=self.clock.engine,
-            aborted_tokens=self.clock.aborted_tokens,
-            history_window=None,
             env_metrics={
                 "prefix_breaks": float(self.prefix_breaks),
                 "tool/calls": float(self.tool_calls),
