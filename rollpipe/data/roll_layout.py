@@ -145,6 +145,22 @@ def to_roll(
       it to concatenate batches of different calls.
     * ``meta_info["metrics"]`` are rollpipe's batch metrics (floats); ROLL's
       ``get_batch`` gathers each episode's env metrics into lists.
+
+    Examples:
+        >>> from rollpipe.agent.records import EpisodeSpec, Trajectory, Turn
+        >>> from rollpipe.data.rows import trajectory_rows
+        >>> turn = Turn(prompt_ids=[1, 2], response_ids=[3, 4], logprobs=[-0.5, -0.5],
+        ...             versions=[0, 0], reward=1.0, finish_reason="stop",
+        ...             action_valid=True, action_text="", observation="o")
+        >>> traj = Trajectory(EpisodeSpec(group_id=0, episode_id=0, seed=0), env_id=0,
+        ...                   turns=[turn], score=1.0, success=True, end_reason="terminated")
+        >>> rows = trajectory_rows([traj], pad_token_id=0)
+        >>> roll = to_roll(rows, sequence_length=6, pad_token_id=0)  # ROLL's fixed width
+        >>> roll["input_ids"], roll["infer_logprobs"]  # padded to 6; logprobs shifted by one
+        (tensor([[1, 2, 3, 4, 0, 0]]), tensor([[ 0.0000, -0.5000, -0.5000,  0.0000,  0.0000]]))
+        >>> roll["traj_group_id"], roll["traj_id"], roll["episode_scores"]
+        (array(['frozenlake_0'], dtype=object), array(['frozenlake_0_0'], dtype=object),
+         array([1.0], dtype=object))
     """
     tensors, columns, meta = roll_parts(
         batch, sequence_length=sequence_length, pad_token_id=pad_token_id, extras=extras

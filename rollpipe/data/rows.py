@@ -257,6 +257,20 @@ def trajectory_rows(
     A trajectory whose turns start new rows (``Turn.new_row``: an agent that rewrote
     its history) gives one row per such segment, each with the episode's labels and
     score: the engine never saw the segments as one sequence.
+
+    Examples:
+        >>> from rollpipe.agent.records import EpisodeSpec
+        >>> done = dict(finish_reason="stop", action_valid=True, action_text="", observation="o")
+        >>> turns = [Turn([1, 2], [3, 4], [-0.5, -0.5], [0, 0], 0.0, **done),
+        ...          Turn([5], [6], [-0.1], [0], 1.0, **done)]
+        >>> traj = Trajectory(EpisodeSpec(group_id=0, episode_id=0, seed=0), env_id=0,
+        ...                   turns=turns, score=1.0, success=True, end_reason="terminated")
+        >>> rows = trajectory_rows([traj], pad_token_id=0)
+        >>> rows["input_ids"], rows["response_mask"].int(), rows["scores"]
+        (tensor([[1, 2, 3, 4, 5, 6]]), tensor([[0, 0, 1, 1, 0, 1]], dtype=torch.int32),
+         tensor([[0., 0., 0., 0., 0., 1.]]))
+        >>> rows["uid"], rows["step_scores"]
+        (array(['frozenlake/g0'], dtype=object), array([list([0.0, 1.0])], dtype=object))
     """
     trajs = list(trajectories)
     _check(trajs, need_conversation=True)
@@ -298,6 +312,20 @@ def step_rows(
     of that engine request. ``response_mask`` marks only this turn's response;
     ``scores`` holds the turn's reward on the last token; ``episode_scores`` the episode
     score; ``state_hash`` hashes (group id, the observation the turn answered).
+
+    Examples:
+        >>> from rollpipe.agent.records import EpisodeSpec
+        >>> done = dict(finish_reason="stop", action_valid=True, action_text="", observation="o")
+        >>> turns = [Turn([1, 2], [3, 4], [-0.5, -0.5], [0, 0], 0.0, **done),
+        ...          Turn([5], [6], [-0.1], [0], 1.0, **done)]
+        >>> traj = Trajectory(EpisodeSpec(group_id=0, episode_id=0, seed=0), env_id=0,
+        ...                   turns=turns, score=1.0, success=True, end_reason="terminated")
+        >>> rows = step_rows([traj], pad_token_id=0)  # one row per turn, padded on the right
+        >>> rows["input_ids"], rows["response_mask"].int()
+        (tensor([[1, 2, 3, 4, 0, 0], [1, 2, 3, 4, 5, 6]]),
+         tensor([[0, 0, 1, 1, 0, 0], [0, 0, 0, 0, 0, 1]], dtype=torch.int32))
+        >>> rows["step"], rows["step_scores"], rows["episode_scores"]
+        (tensor([0, 1]), array([0.0, 1.0], dtype=object), tensor([1., 1.]))
     """
     trajs = list(trajectories)
     _check(trajs, need_conversation=False)

@@ -81,6 +81,22 @@ def to_verl(
 
     See :func:`verl_parts` for the fields. Raises ImportError naming what to install when
     verl is missing.
+
+    Examples:
+        >>> from rollpipe.agent.records import EpisodeSpec, Trajectory, Turn
+        >>> from rollpipe.data.rows import trajectory_rows
+        >>> turn = Turn(prompt_ids=[1, 2], response_ids=[3, 4], logprobs=[-0.5, -0.5],
+        ...             versions=[0, 0], reward=1.0, finish_reason="stop",
+        ...             action_valid=True, action_text="", observation="o")
+        >>> traj = Trajectory(EpisodeSpec(group_id=0, episode_id=0, seed=0), env_id=0,
+        ...                   turns=[turn], score=1.0, success=True, end_reason="terminated")
+        >>> rows = trajectory_rows([traj], pad_token_id=0)
+        >>> tensors, columns, meta = verl_parts(rows)  # to_verl's fields, without verl
+        >>> tensors["prompts"], tensors["responses"], columns["uid"]
+        (tensor([[1, 2]]), tensor([[3, 4]]), array(['frozenlake/g0'], dtype=object))
+        >>> verl_batch = to_verl(rows)  # needs verl  # doctest: +SKIP
+        >>> verl_batch.batch["responses"], verl_batch.non_tensor_batch["uid"]  # doctest: +SKIP
+        (tensor([[3, 4]]), array(['frozenlake/g0'], dtype=object))
     """
     try:
         from verl.protocol import DataProto as VerlDataProto

@@ -53,7 +53,40 @@ KeysArg = str | Iterable[str] | None
 
 
 class DataProto:
-    """Rows of tensors and Python objects plus batch-level ``meta_info`` (verl/ROLL layout)."""
+    """Rows of tensors and Python objects plus batch-level ``meta_info`` (verl/ROLL layout).
+
+    The batch type rollpipe hands out (``trajectory_rows``, ``step_rows``, the pipeline's
+    batches) and the one verl's and ROLL's trainers read. It holds three parts:
+
+    * ``batch``: a ``tensordict.TensorDict`` with one batch dimension, the rows
+      (``input_ids``, ``attention_mask``, ``scores``, ...), or None when there are no
+      tensor columns;
+    * ``non_tensor_batch``: a dict of 1-D numpy object arrays, one Python value per row
+      (``uid``, ``tags``, ``step_scores``, ...);
+    * ``meta_info``: a dict of values for the whole batch (``metrics``, settings).
+
+    The three attributes, the constructor and the operations verl's
+    ``verl.protocol.DataProto`` has (``from_dict``, ``select``, ``pop``, ``union``,
+    ``concat``, ``chunk``, ``repeat``, ``reorder``, ``to``, ...) have verl's names and
+    meaning, so trainer code written for verl's class (or ROLL's, adapted from it)
+    reads these batches; ``to_verl`` builds a real verl DataProto, ``to_roll`` ROLL's
+    agentic layout. ``len(batch)`` counts the rows, ``batch[int | slice | indices | mask]``
+    takes rows and ``batch[name]`` a column; every row operation keeps all columns
+    aligned, and an invalid call raises ValueError / KeyError / IndexError naming the key
+    and the sizes.
+
+    Examples:
+        >>> batch = DataProto.from_dict(
+        ...     tensors={"input_ids": torch.tensor([[1, 2, 3], [4, 5, 0]])},
+        ...     non_tensors={"uid": ["g0", "g1"]},
+        ...     meta_info={"temperature": 1.0},
+        ... )
+        >>> batch
+        DataProto(len=2, batch={'input_ids': ((2, 3), torch.int64)}, non_tensor_batch=['uid'],
+                  meta_info=['temperature'])
+        >>> batch[1]["input_ids"], batch["uid"], batch.meta_info
+        (tensor([[4, 5, 0]]), array(['g0', 'g1'], dtype=object), {'temperature': 1.0})
+    """
 
     def __init__(
         self,
@@ -76,7 +109,17 @@ class DataProto:
     def non_tensor_batch(self) -> dict[str, np.ndarray]:
         """The non-tensor columns (1-D object arrays). A dict; a missing key's KeyError
         says where the key is, and a renamed column reads under its old name with a
-        DeprecationWarning (``docs/changes.md``)."""
+        DeprecationWarning (``docs/changes.md``).
+
+        Examples:
+            >>> batch = DataProto.from_dict({"x": torch.zeros(2)}, {"uid": ["a", "b"]})
+            >>> batch.non_tensor_batch["uid"]
+            array(['a', 'b'], dtype=object)
+            >>> batch.non_tensor_batch["x"]
+            Traceback (most recent call last):
+            ...
+            KeyError: "non_tensor_batch key 'x' not found: 'x' is in batch.batch (a tensor), ..."
+        """
         return self._non_tensor_batch
 
     @non_tensor_batch.setter
@@ -97,7 +140,17 @@ class DataProto:
         non_tensors: Mapping[str, Any] | None = None,
         meta_info: Mapping[str, Any] | None = None,
     ) -> DataProto:
-        """Build from tensors (first dim = rows) and per-row non-tensor sequences."""
+        """Build from tensors (first dim = rows) and per-row non-tensor sequences.
+
+        Examples:
+            >>> batch = DataProto.from_dict(
+            ...     tensors={"input_ids": torch.ones(2, 3, dtype=torch.long)},
+            ...     non_tensors={"uid": ["g0", "g0"]},
+            ...     meta_info={"step": 3},
+            ... )
+            >>> len(batch), batch.keys(), batch.meta_info
+            (2, ['input_ids', 'uid'], {'step': 3})
+        """
         batch, columns = build_columns(*args.plain_dicts(tensors=tensors, non_tensors=non_tensors))
         return cls(batch=batch, non_tensor_batch=columns, meta_info=meta_info)
 
@@ -105,7 +158,13 @@ class DataProto:
     def from_single_dict(
         cls, data: Mapping[str, Any], meta_info: Mapping[str, Any] | None = None
     ) -> DataProto:
-        """Build from one dict: tensors go to ``batch``, arrays/lists to ``non_tensor_batch``."""
+        """Build from one dict: tensors go to ``batch``, arrays/lists to ``non_tensor_batch``.
+
+        Examples:
+            >>> batch = DataProto.from_single_dict({"x": torch.zeros(2, 3), "uid": ["a", "b"]})
+            >>> batch.batch["x"].shape, batch.non_tensor_batch["uid"]
+            (torch.Size([2, 3]), array(['a', 'b'], dtype=object))
+        """
         data = args.mapping_arg(data, "from_single_dict: data", "a dict of columns", False)
         tensors = {k: v for k, v in data.items() if isinstance(v, Tensor)}
         others = {k: v for k, v in data.items() if not isinstance(v, Tensor)}
@@ -116,20 +175,47 @@ class DataProto:
         cls, td: TensorDictBase, meta_info: Mapping[str, Any] | None = None
     ) -> DataProto:
         """Inverse of ``to_tensordict``: tensors -> batch, NonTensorStack -> columns,
-        NonTensorData -> meta_info (added to ``meta_info``)."""
+        NonTensorData -> meta_info (added to ``meta_info``).
+
+        Examples:
+            >>> batch = DataProto.from_dict(
+            ...     {"x": torch.arange(2)}, non_tensors={"uid": ["a", "b"]}, meta_info={"k": 1}
+            ... )
+            >>> back = DataProto.from_tensordict(batch.to_tensordict())
+            >>> back.keys(), back.meta_info, back.equals(batch)
+            (['x', 'uid'], {'k': 1}, True)
+        """
         tensor_keys, columns, meta = split_tensordict(td)
         batch = td.select(*tensor_keys) if tensor_keys or not columns else None
         return cls(batch=batch, non_tensor_batch=columns, meta_info={**(meta_info or {}), **meta})
 
     def to_tensordict(self) -> TensorDictBase:
         """One TensorDict as verl lays it out: tensors, non-tensor columns as NonTensorStack,
-        meta_info entries as NonTensorData."""
+        meta_info entries as NonTensorData.
+
+        Examples:
+            >>> batch = DataProto.from_dict(
+            ...     {"x": torch.arange(2)}, non_tensors={"uid": ["a", "b"]}, meta_info={"k": 1}
+            ... )
+            >>> td = batch.to_tensordict()
+            >>> td.batch_size, sorted(td.keys()), td["x"], td["k"]
+            (torch.Size([2]), ['k', 'uid', 'x'], tensor([0, 1]), 1)
+        """
         return join_tensordict(self.batch, self.non_tensor_batch, self.meta_info, len(self))
 
     # ----------------------------------------------------------------- invariants
     def check_consistency(self) -> None:
         """Raise ValueError unless: one batch dim, 1-D object columns, one row count, no key
-        in both ``batch`` and ``non_tensor_batch``, dict meta_info."""
+        in both ``batch`` and ``non_tensor_batch``, dict meta_info.
+
+        Examples:
+            >>> batch = DataProto.from_dict(tensors={"x": torch.zeros(2)})
+            >>> batch.non_tensor_batch["uid"] = np.array(["a"], dtype=object)  # 1 entry, 2 rows
+            >>> batch.check_consistency()
+            Traceback (most recent call last):
+            ...
+            ValueError: non_tensor_batch['uid'] has 1 rows but the DataProto has 2; ...
+        """
         check_fields(self.batch, self.non_tensor_batch, self.meta_info)
 
     # ----------------------------------------------------------------- basics
@@ -139,7 +225,15 @@ class DataProto:
         return len(next(iter(self.non_tensor_batch.values()))) if self.non_tensor_batch else 0
 
     def keys(self) -> list[str]:
-        """All column names: batch keys, then non-tensor keys."""
+        """All column names: batch keys, then non-tensor keys.
+
+        Examples:
+            >>> batch = DataProto.from_dict(
+            ...     tensors={"x": torch.zeros(1)}, non_tensors={"uid": ["a"]}, meta_info={"k": 1}
+            ... )
+            >>> batch.keys(), "uid" in batch, "k" in batch  # meta_info keys are not columns
+            (['x', 'uid'], True, False)
+        """
         batch_keys = list(self.batch.keys()) if self.batch is not None else []
         return batch_keys + list(self.non_tensor_batch)
 
@@ -149,7 +243,15 @@ class DataProto:
         return (self.batch is not None and key in self.batch) or key in self.non_tensor_batch
 
     def equals(self, other: object) -> bool:
-        """Same rows, same columns (in any order) holding equal values, equal meta_info."""
+        """Same rows, same columns (in any order) holding equal values, equal meta_info.
+
+        Examples:
+            >>> batch = DataProto.from_dict({"x": torch.arange(3)}, {"u": [1, 2, 3]})
+            >>> batch.equals(batch.clone()), batch.equals(batch[:2])
+            (True, False)
+            >>> batch.equals(batch.select(batch_keys=[], non_tensor_batch_keys=["u"]))
+            False
+        """
         if not isinstance(other, DataProto) or len(self) != len(other):
             return False
         names = self.keys()
@@ -213,11 +315,26 @@ class DataProto:
         return self._derive(batch, columns, dict(self.meta_info))
 
     def select_idxs(self, idxs: Any) -> DataProto:
-        """Rows at ``idxs`` (ints, negatives allowed, or a bool mask of length ``len(self)``)."""
+        """Rows at ``idxs`` (ints, negatives allowed, or a bool mask of length ``len(self)``).
+
+        Examples:
+            >>> batch = DataProto.from_dict(tensors={"x": torch.tensor([10, 20, 30])})
+            >>> batch.select_idxs([2, -3])["x"], batch.select_idxs(batch["x"] > 15)["x"]
+            (tensor([30, 10]), tensor([20, 30]))
+        """
         return self._take(normalize_index(idxs, len(self)))
 
     def slice(self, start: int | None = None, end: int | None = None, step: int | None = None):
-        """Rows ``start:end:step``; with a positive step they are views sharing storage."""
+        """Rows ``start:end:step``; with a positive step they are views sharing storage.
+
+        Examples:
+            >>> batch = DataProto.from_dict(tensors={"x": torch.arange(6)})
+            >>> batch.slice(1, 5, 2)["x"], batch.slice(None, None, -2)["x"]
+            (tensor([1, 3]), tensor([5, 3, 1]))
+            >>> batch.slice(0, 2)["x"][0] = 9  # a view: writes reach ``batch``
+            >>> batch["x"]
+            tensor([9, 1, 2, 3, 4, 5])
+        """
         args.check_slice(start, end, step)
         if step is not None and step <= 0:
             if step == 0:
@@ -229,18 +346,39 @@ class DataProto:
         return self._derive(batch, columns, dict(self.meta_info))
 
     def reorder(self, indices: Any) -> None:
-        """Permute the rows in place (as verl); ``indices`` must be a permutation of the rows."""
+        """Permute the rows in place (as verl); ``indices`` must be a permutation of the rows.
+
+        Examples:
+            >>> batch = DataProto.from_dict(
+            ...     tensors={"x": torch.tensor([10, 20, 30])}, non_tensors={"uid": ["a", "b", "c"]}
+            ... )
+            >>> batch.reorder([2, 0, 1])
+            >>> batch["x"], batch["uid"]
+            (tensor([30, 10, 20]), array(['c', 'a', 'b'], dtype=object))
+        """
         taken = self._take(check_permutation(normalize_index(indices, len(self)), len(self)))
         self.batch, self.non_tensor_batch = taken.batch, taken.non_tensor_batch
 
     def repeat(self, repeat_times: int = 2, interleave: bool = True) -> DataProto:
-        """Each row ``repeat_times`` times: ``aabb`` when interleaved, else ``abab``."""
+        """Each row ``repeat_times`` times: ``aabb`` when interleaved, else ``abab``.
+
+        Examples:
+            >>> batch = DataProto.from_dict({"x": torch.tensor([1, 2])}, {"u": ["a", "b"]})
+            >>> batch.repeat(2)["x"], batch.repeat(2, interleave=False)["u"]
+            (tensor([1, 1, 2, 2]), array(['a', 'b', 'a', 'b'], dtype=object))
+        """
         times = check_count(repeat_times, "repeat_times")
         rows = np.arange(len(self))
         return self._take(np.repeat(rows, times) if interleave else np.tile(rows, times))
 
     def sample_level_repeat(self, repeat_times: Sequence[int] | np.ndarray | Tensor) -> DataProto:
-        """Row ``i`` repeated ``repeat_times[i]`` times (0 drops it), in row order."""
+        """Row ``i`` repeated ``repeat_times[i]`` times (0 drops it), in row order.
+
+        Examples:
+            >>> batch = DataProto.from_dict(tensors={"x": torch.tensor([1, 2, 3])})
+            >>> batch.sample_level_repeat([2, 0, 1])["x"]
+            tensor([1, 1, 3])
+        """
         counts = repeat_counts(repeat_times, len(self))
         return self._take(np.repeat(np.arange(len(self)), counts))
 
@@ -253,7 +391,18 @@ class DataProto:
         deepcopy: bool = False,
     ) -> DataProto:
         """Only the named columns and meta_info keys (None = all of that kind); tensors are
-        shared with ``self`` unless ``deepcopy``."""
+        shared with ``self`` unless ``deepcopy``.
+
+        Examples:
+            >>> batch = DataProto.from_dict(
+            ...     tensors={"x": torch.zeros(2), "y": torch.ones(2)},
+            ...     non_tensors={"uid": ["a", "b"]},
+            ...     meta_info={"step": 1},
+            ... )
+            >>> part = batch.select(batch_keys=["y"], non_tensor_batch_keys=[])
+            >>> part.keys(), part.meta_info, part["y"].data_ptr() == batch["y"].data_ptr()
+            (['y'], {'step': 1}, True)
+        """
         bkeys = keys_arg(batch_keys, "batch_keys")
         nkeys = keys_arg(non_tensor_batch_keys, "non_tensor_batch_keys")
         mkeys = keys_arg(meta_info_keys, "meta_info_keys")
@@ -277,7 +426,17 @@ class DataProto:
         non_tensor_batch_keys: KeysArg = None,
         meta_info_keys: KeysArg = None,
     ) -> DataProto:
-        """Remove the named columns / meta_info keys and return them (None = none, as verl)."""
+        """Remove the named columns / meta_info keys and return them (None = none, as verl).
+
+        Examples:
+            >>> batch = DataProto.from_dict(
+            ...     tensors={"x": torch.zeros(2), "y": torch.ones(2)},
+            ...     non_tensors={"uid": ["a", "b"]},
+            ... )
+            >>> popped = batch.pop(batch_keys=["y"], non_tensor_batch_keys=["uid"])
+            >>> popped.keys(), batch.keys(), popped["y"]
+            (['y', 'uid'], ['x'], tensor([1., 1.]))
+        """
         bkeys = keys_arg(batch_keys, "batch_keys") or []
         nkeys = keys_arg(non_tensor_batch_keys, "non_tensor_batch_keys") or []
         mkeys = keys_arg(meta_info_keys, "meta_info_keys") or []
@@ -291,7 +450,13 @@ class DataProto:
         return type(self)(batch=popped, non_tensor_batch=columns, meta_info=meta)
 
     def rename(self, old_keys: KeysArg = None, new_keys: KeysArg = None) -> DataProto:
-        """Rename columns in place (in batch or non_tensor_batch, wherever each lives)."""
+        """Rename columns in place (in batch or non_tensor_batch, wherever each lives).
+
+        Examples:
+            >>> batch = DataProto.from_dict({"x": torch.zeros(2)}, {"u": [1, 2]})
+            >>> batch.rename(["x", "u"], ["scores", "uid"]).keys()
+            ['scores', 'uid']
+        """
         old = keys_arg(old_keys, "old_keys") or []
         new = keys_arg(new_keys, "new_keys") or []
         check_rename(old, new, self.keys())
@@ -310,7 +475,14 @@ class DataProto:
             )
 
     def union(self, other: DataProto) -> DataProto:
-        """Add ``other``'s columns and meta_info in place; shared keys must hold equal values."""
+        """Add ``other``'s columns and meta_info in place; shared keys must hold equal values.
+
+        Examples:
+            >>> batch = DataProto.from_dict(tensors={"x": torch.zeros(2)}, meta_info={"step": 1})
+            >>> more = DataProto.from_dict(non_tensors={"uid": ["a", "b"]}, meta_info={"lr": 0.1})
+            >>> batch.union(more).keys(), batch.meta_info
+            (['x', 'uid'], {'step': 1, 'lr': 0.1})
+        """
         if not isinstance(other, DataProto):
             raise ValueError(
                 f"union needs a DataProto, got {short_repr(other)} ({type(other).__name__})"
@@ -326,7 +498,13 @@ class DataProto:
 
     def update(self, other: DataProto | Mapping[str, Any]) -> DataProto:
         """Set columns in place, overwriting (tensor -> batch, else non-tensor); a DataProto
-        also overwrites meta_info keys. Returns self."""
+        also overwrites meta_info keys. Returns self.
+
+        Examples:
+            >>> batch = DataProto.from_dict(tensors={"x": torch.zeros(2)})
+            >>> batch.update({"x": torch.ones(2), "uid": ["a", "b"]}).keys(), batch["x"]
+            (['x', 'uid'], tensor([1., 1.]))
+        """
         if isinstance(other, DataProto):
             self._check_rows(len(other), "update")
             self.update({k: other[k] for k in list(other.keys())})
@@ -342,23 +520,51 @@ class DataProto:
     @classmethod
     def concat(cls, data: Sequence[DataProto]) -> DataProto:
         """Rows of all parts in order; keys must match; ``meta_info['metrics']`` is merged
-        into lists, any other meta_info key must agree."""
+        into lists, any other meta_info key must agree.
+
+        Examples:
+            >>> a = DataProto.from_dict({"x": torch.arange(2)}, meta_info={"metrics": {"m": 1}})
+            >>> b = DataProto.from_dict({"x": torch.arange(1)}, meta_info={"metrics": {"m": 2}})
+            >>> both = DataProto.concat([a, b])
+            >>> both["x"], both.meta_info
+            (tensor([0, 1, 0]), {'metrics': {'m': [1, 2]}})
+        """
         parts = args.concat_parts(data, DataProto)
         batch, columns = concat_columns([(p.batch, p.non_tensor_batch, len(p)) for p in parts])
         return cls(batch, columns, merge_meta_info([p.meta_info for p in parts]))
 
     def chunk(self, chunks: int) -> list[DataProto]:
-        """``chunks`` consecutive pieces sized as ``numpy.array_split`` does (views of self)."""
+        """``chunks`` consecutive pieces sized as ``numpy.array_split`` does (views of self).
+
+        Examples:
+            >>> batch = DataProto.from_dict(tensors={"x": torch.arange(5)})
+            >>> [part["x"].tolist() for part in batch.chunk(2)]
+            [[0, 1, 2], [3, 4]]
+        """
         bounds = np.cumsum([0, *chunk_sizes(len(self), chunks)]).tolist()
         return [self.slice(a, b) for a, b in itertools.pairwise(bounds)]
 
     def split(self, split_size: int) -> list[DataProto]:
-        """Consecutive pieces of ``split_size`` rows (the last may be shorter)."""
+        """Consecutive pieces of ``split_size`` rows (the last may be shorter).
+
+        Examples:
+            >>> batch = DataProto.from_dict(tensors={"x": torch.arange(5)})
+            >>> [part["x"].tolist() for part in batch.split(2)]
+            [[0, 1], [2, 3], [4]]
+        """
         size = check_count(split_size, "split_size")
         return [self.slice(i, i + size) for i in range(0, len(self), size)] or [self.slice(0, 0)]
 
     def group_by(self, keys: str | Sequence[str]) -> dict[Any, DataProto]:
-        """Rows grouped by the value of one column (a tuple for several), first-seen order."""
+        """Rows grouped by the value of one column (a tuple for several), first-seen order.
+
+        Examples:
+            >>> batch = DataProto.from_dict(
+            ...     tensors={"x": torch.arange(4)}, non_tensors={"uid": ["b", "a", "b", "a"]}
+            ... )
+            >>> {uid: rows["x"].tolist() for uid, rows in batch.group_by("uid").items()}
+            {'b': [0, 2], 'a': [1, 3]}
+        """
         names = keys_arg(keys, "group_by keys") or []
         if not names:
             raise ValueError(f"group_by needs at least one key, got {keys!r}")
@@ -377,19 +583,45 @@ class DataProto:
         drop_last: bool = False,
     ) -> Iterator[DataProto]:
         """Minibatches over ``epochs`` passes; the shuffle of epoch ``e`` is seeded with
-        ``derive_seed(seed, e)``, so the order depends on ``seed`` only."""
+        ``derive_seed(seed, e)``, so the order depends on ``seed`` only.
+
+        Examples:
+            >>> batch = DataProto.from_dict(tensors={"x": torch.arange(5)})
+            >>> [mb["x"].tolist() for mb in batch.iter_minibatches(2, shuffle=False)]
+            [[0, 1], [2, 3], [4]]
+            >>> [len(mb) for mb in batch.iter_minibatches(2, seed=7, epochs=2, drop_last=True)]
+            [2, 2, 2, 2]
+            >>> a, b = (list(batch.iter_minibatches(2, seed=7)) for _ in range(2))
+            >>> all(x.equals(y) for x, y in zip(a, b))  # the same seed, the same order
+            True
+        """
         orders = minibatch_orders(len(self), batch_size, shuffle, seed, epochs, drop_last)
         return (self._take(order) for order in orders)
 
     # ----------------------------------------------------------------- copies, devices, disk
     def to(self, device: torch.device | str) -> DataProto:
-        """Move the tensors to ``device`` in place (as verl); returns self."""
+        """Move the tensors to ``device`` in place (as verl); returns self.
+
+        Examples:
+            >>> batch = DataProto.from_dict(tensors={"x": torch.zeros(2)})
+            >>> batch.to("cpu") is batch, batch["x"].device
+            (True, device(type='cpu'))
+        """
         if self.batch is not None:
             self.batch = self.batch.to(args.device_arg(device))
         return self
 
     def clone(self) -> DataProto:
-        """A deep copy sharing no storage or objects with ``self``."""
+        """A deep copy sharing no storage or objects with ``self``.
+
+        Examples:
+            >>> batch = DataProto.from_dict({"x": torch.zeros(2)}, {"u": [[1], [2]]})
+            >>> copy = batch.clone()
+            >>> copy["x"][0] = 7.0
+            >>> copy["u"][0].append(3)
+            >>> batch["x"], batch["u"][0], copy["u"][0]
+            (tensor([0., 0.]), [1], [1, 3])
+        """
         batch = self.batch.clone() if self.batch is not None else None
         return type(self)(
             batch, copy.deepcopy(self.non_tensor_batch), copy.deepcopy(self.meta_info)
@@ -401,25 +633,78 @@ class DataProto:
         return pickled_state(self.batch, self.non_tensor_batch, self.meta_info)
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write to ``path`` (``torch.save`` of the consolidated DataProto)."""
+        """Write to ``path`` (``torch.save`` of the consolidated DataProto).
+
+        Examples:
+            >>> import os, tempfile
+            >>> batch = DataProto.from_dict({"x": torch.arange(3)}, {"u": [1, 2, 3]})
+            >>> with tempfile.TemporaryDirectory() as tmp:
+            ...     batch.save(os.path.join(tmp, "batch.pt"))
+            ...     DataProto.load(os.path.join(tmp, "batch.pt")).equals(batch)
+            True
+        """
         save_checked(self, path)
 
     @classmethod
     def load(
         cls, path: str | os.PathLike[str], map_location: torch.device | str | None = None
     ) -> DataProto:
-        """Read a DataProto written by ``save``."""
+        """Read a DataProto written by ``save``.
+
+        Examples:
+            >>> import os, tempfile
+            >>> batch = DataProto.from_dict(
+            ...     {"x": torch.arange(3)}, {"u": ["a", "b", "c"]}, meta_info={"step": 2}
+            ... )
+            >>> with tempfile.TemporaryDirectory() as tmp:
+            ...     batch.save(os.path.join(tmp, "batch.pt"))
+            ...     loaded = DataProto.load(os.path.join(tmp, "batch.pt"), map_location="cpu")
+            >>> loaded["x"], loaded["u"], loaded.meta_info
+            (tensor([0, 1, 2]), array(['a', 'b', 'c'], dtype=object), {'step': 2})
+        """
         return load_checked(path, map_location, DataProto)
 
     # ----------------------------------------------------------------- ROLL and verl layouts
     def to_roll(self, **options: Any) -> DataProto:
-        """These rows in ROLL's agentic layout (``rollpipe.data.roll_layout.to_roll``)."""
+        """These rows in ROLL's agentic layout (``rollpipe.data.roll_layout.to_roll``).
+
+        Examples:
+            >>> from rollpipe.agent.records import EpisodeSpec, Trajectory, Turn
+            >>> from rollpipe.data.rows import trajectory_rows
+            >>> turn = Turn(prompt_ids=[1, 2], response_ids=[3, 4], logprobs=[-0.5, -0.5],
+            ...             versions=[0, 0], reward=1.0, finish_reason="stop",
+            ...             action_valid=True, action_text="", observation="o")
+            >>> traj = Trajectory(EpisodeSpec(group_id=0, episode_id=0, seed=0), env_id=0,
+            ...                   turns=[turn], score=1.0, success=True, end_reason="terminated")
+            >>> roll = trajectory_rows([traj], pad_token_id=0).to_roll()
+            >>> roll["infer_logprobs"], roll["traj_id"]  # logprobs shifted by one, as ROLL
+            (tensor([[ 0.0000, -0.5000, -0.5000]]), array(['frozenlake_0_0'], dtype=object))
+        """
         from rollpipe.data.roll_layout import to_roll
 
         return to_roll(self, **options)
 
     def to_verl(self, **options: Any) -> Any:
-        """These rows as verl's agent loop batch (``rollpipe.data.verl_layout.to_verl``)."""
+        """These rows as verl's agent loop batch (``rollpipe.data.verl_layout.to_verl``).
+
+        Needs verl; ``rollpipe.data.verl_layout.verl_parts`` gives the same fields without it.
+
+        Examples:
+            >>> from rollpipe.agent.records import EpisodeSpec, Trajectory, Turn
+            >>> from rollpipe.data.rows import trajectory_rows
+            >>> from rollpipe.data.verl_layout import verl_parts
+            >>> turn = Turn(prompt_ids=[1, 2], response_ids=[3, 4], logprobs=[-0.5, -0.5],
+            ...             versions=[0, 0], reward=1.0, finish_reason="stop",
+            ...             action_valid=True, action_text="", observation="o")
+            >>> traj = Trajectory(EpisodeSpec(group_id=0, episode_id=0, seed=0), env_id=0,
+            ...                   turns=[turn], score=1.0, success=True, end_reason="terminated")
+            >>> rows = trajectory_rows([traj], pad_token_id=0)
+            >>> tensors, columns, meta = verl_parts(rows)  # what to_verl() holds
+            >>> tensors["prompts"], tensors["responses"], tensors["rm_scores"]
+            (tensor([[1, 2]]), tensor([[3, 4]]), tensor([[0., 1.]]))
+            >>> rows.to_verl().batch["responses"]  # needs verl  # doctest: +SKIP
+            tensor([[3, 4]])
+        """
         from rollpipe.data.verl_layout import to_verl
 
         return to_verl(self, **options)

@@ -15,7 +15,15 @@ __all__ = ["pad_dataproto_to_divisor", "pad_to_divisor", "unpad", "unpad_datapro
 
 def pad_to_divisor(dp: DataProto, size_divisor: int) -> tuple[DataProto, int]:
     """Pad ``dp`` to a multiple of ``size_divisor`` rows by repeating rows from the start
-    (as verl); returns ``(padded, pad_size)``."""
+    (as verl); returns ``(padded, pad_size)``.
+
+    Examples:
+        >>> import torch
+        >>> batch = DataProto.from_dict({"x": torch.arange(5)}, meta_info={"step": 1})
+        >>> padded, pad_size = pad_to_divisor(batch, 4)
+        >>> padded["x"], pad_size, padded.meta_info
+        (tensor([0, 1, 2, 3, 4, 0, 1, 2]), 3, {'step': 1})
+    """
     k = check_count(size_divisor, "size_divisor")
     n = len(dp)
     pad_size = (-n) % k
@@ -27,7 +35,14 @@ def pad_to_divisor(dp: DataProto, size_divisor: int) -> tuple[DataProto, int]:
 
 
 def unpad(dp: DataProto, pad_size: int) -> DataProto:
-    """Drop the last ``pad_size`` rows that ``pad_to_divisor`` added."""
+    """Drop the last ``pad_size`` rows that ``pad_to_divisor`` added.
+
+    Examples:
+        >>> import torch
+        >>> padded, pad_size = pad_to_divisor(DataProto.from_dict({"x": torch.arange(3)}), 2)
+        >>> padded["x"], unpad(padded, pad_size)["x"]
+        (tensor([0, 1, 2, 0]), tensor([0, 1, 2]))
+    """
     pad = check_count(pad_size, "pad_size", minimum=0)
     if pad > len(dp):
         raise ValueError(f"pad_size={pad} is larger than the DataProto's {len(dp)} rows")
