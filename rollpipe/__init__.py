@@ -82,12 +82,12 @@ if TYPE_CHECKING:
     from rollpipe.agent.records import EpisodeSpec, Group, Trajectory, Turn
     from rollpipe.agent.tools import ToolSet
     from rollpipe.config import PipelineConfig
+    from rollpipe.corrections.correction import Correction
     from rollpipe.data.proto import DataProto
     from rollpipe.data.proto.divisor import pad_to_divisor, unpad
     from rollpipe.data.roll_layout import to_roll
     from rollpipe.data.rows import step_rows, trajectory_rows
     from rollpipe.data.verl_layout import to_verl
-    from rollpipe.corrections.correction import Correction
     from rollpipe.engines.hf import HFEngine
     from rollpipe.engines.pool import EnginePool
     from rollpipe.engines.records import EngineClosedError, EngineError, Generation, SamplingParams

@@ -432,3 +432,67 @@ def test_tests_do_not_import_test_modules() -> None:
             if bad:
                 found[str(path.relative_to(TESTS))] = bad
     assert not found, f"test modules imported by other tests: {found}"
+
+
+def _imports_of(package: str) -> dict[str, set[str]]:
+    """Each module of ``package`` and the rollpipe modules it imports."""
+    return {
+        name: targets
+        for name, targets in import_graph().items()
+        if name == package or name.startswith(package + ".")
+    }
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_agent_does_not_import_envs() -> None:
+    """The env contract (the protocols the episode calls, ``env_contract``; the step
+    metrics it reads, ``env_metrics``) lives in ``rollpipe.agent``, where the episode uses
+    it: envs depend on it, never the other way round."""
+    graph = import_graph()
+    assert "rollpipe.agent.env_contract" in graph["rollpipe.envs.base"]  # the check sees
+    up = {
+        (name, target)
+        for name, targets in _imports_of("rollpipe.agent").items()
+        for target in targets
+        if _within(target, "rollpipe.envs")
+    }
+    assert not up, f"rollpipe.agent modules importing rollpipe.envs: {sorted(up)}"
+
+
+def _calls_to(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name in names:
+                found.append((node.lineno, name))
+    return found
+
+
+CONVERSATION = "rollpipe.agent.conversation"
+TURN_BUILDING = {"Turn", "Trajectory", "generate_turn", "stopping_at_end_of_turn"}
+"""What building a turn means: its engine request, its sampling, its record, the result."""
+
+
+def test_one_conversation_builds_every_turn() -> None:
+    """One conversation implementation serves the env episode and the front door: only
+    ``rollpipe.agent.conversation`` requests a turn, builds a ``Turn`` or a
+    ``Trajectory`` (``records`` defines them; ``engine_request`` is the request itself),
+    and both drivers go through it."""
+    allowed = {CONVERSATION, "rollpipe.agent.records", "rollpipe.agent.engine_request"}
+    copies = {
+        name: hits
+        for name, path in _modules().items()
+        if name not in allowed
+        and not _within(name, TRAINING)
+        and (hits := _calls_to(ast.parse(path.read_text()), TURN_BUILDING))
+    }
+    assert not copies, f"turns built outside {CONVERSATION}: {copies}"
+    assert _calls_to(ast.parse(_modules()[CONVERSATION].read_text()), {"Turn", "Trajectory"})
+    graph = import_graph()
+    for driver in ("rollpipe.agent.episode", "rollpipe.frontdoor.session"):
+        assert CONVERSATION in graph[driver], f"{driver} does not drive {CONVERSATION}"

@@ -12,10 +12,10 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from rollpipe.agent.env_contract import is_blocking
 from rollpipe.agent.env_errors import EnvFailed
 from rollpipe.agent.env_threads import EnvLease, EnvThreads, EnvTimeoutError
 from rollpipe.agent.records import EpisodeSpec
-from rollpipe.envs.base import is_blocking
 
 __all__ = ["SLOW_INLINE_S", "Clock", "EnvCaller"]
 

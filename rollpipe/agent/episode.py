@@ -30,7 +30,7 @@ Outcomes, each defined (never a hang):
   response is discarded and the same turn is regenerated once ``admit()`` lets it.
 
 Each step's ``info["metrics"]`` is aggregated into ``Trajectory.env_metrics`` as ROLL's
-env managers do (see :mod:`rollpipe.envs.metrics`).
+env managers do (see :mod:`rollpipe.agent.env_metrics`).
 
 Chat envs (``rollpipe.envs.base.ChatEnv``: the env declares ``tools``, answers with chat
 messages, or sets ``step_input = "action"``) run through a
@@ -54,7 +54,9 @@ from rollpipe._utils.checks import float_in, instance_of, int_in, one_of, option
 from rollpipe.agent.chat import DEFAULT_SYSTEM_PROMPT, ChatFormat, parser_name
 from rollpipe.agent.conversation import ChatConversation, Conversation, TextConversation
 from rollpipe.agent.env_caller import Clock, EnvCaller
+from rollpipe.agent.env_contract import env_tools, takes_action
 from rollpipe.agent.env_errors import EnvFailed
+from rollpipe.agent.env_metrics import aggregate_metrics, step_metrics
 from rollpipe.agent.env_returns import check_reset, check_step, clip_reward
 from rollpipe.agent.env_threads import EnvLease, EnvThreads
 from rollpipe.agent.generation_timeout import GenerationTimeoutError
@@ -64,8 +66,6 @@ from rollpipe.agent.tools import tool_set
 from rollpipe.engines.protocol import Engine
 from rollpipe.engines.records import SamplingParams
 from rollpipe.engines.routing import Session, in_session
-from rollpipe.envs.base import env_tools, takes_action
-from rollpipe.envs.metrics import aggregate_metrics, step_metrics
 
 OnLength = Literal["step", "skip", "end"]
 ON_LENGTH: tuple[str, ...] = ("step", "skip", "end")

@@ -262,7 +262,7 @@ class Trajectory:
     ``"FrozenLake.step"`` or ``"engine request"``). ``history_window`` is the
     ``ChatFormat`` mode the prompts were built in (``None``: one growing conversation).
     ``env_metrics`` are the env's step ``info["metrics"]`` aggregated over the episode
-    (``rollpipe.envs.metrics``); they take part in equality, not in hashing.
+    (``rollpipe.agent.env_metrics``); they take part in equality, not in hashing.
     """
 
     spec: EpisodeSpec

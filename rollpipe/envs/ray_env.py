@@ -42,7 +42,7 @@ from rollpipe.envs.base import Info, StepResult
 from rollpipe.envs.registry import check_config, factory_of, make, register
 
 if TYPE_CHECKING:
-    from rollpipe.agent.env_pool import EnvForSpec
+    from rollpipe.agent.env_contract import EnvForSpec
     from rollpipe.agent.records import EpisodeSpec
 
 __all__ = [

@@ -7,14 +7,14 @@ keeps the id it was built with, which rows report as ``env_ids``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Any
 
+from rollpipe.agent.env_contract import EnvForSpec
 from rollpipe.agent.records import EpisodeSpec
 from rollpipe.envs import make as make_env
 
-EnvForSpec = Callable[[EpisodeSpec], Any]
-"""Builds the environment an episode spec names (``registry_env`` by default)."""
+__all__ = ["EnvForSpec", "EnvPool", "registry_env"]
 
 
 def registry_env(spec: EpisodeSpec) -> Any:

@@ -37,13 +37,13 @@ from rollpipe._utils.checks import instance_of, int_in, one_of, optional
 from rollpipe._utils.threads import shutdown_within
 from rollpipe.agent.chat import ChatFormat
 from rollpipe.agent.env_errors import FirstErrors
-from rollpipe.agent.env_pool import EnvForSpec, EnvPool
 from rollpipe.agent.env_threads import EnvLease, EnvThreads
 from rollpipe.agent.episode import EpisodeSettings, run_episode
 from rollpipe.agent.records import EpisodeSpec, Trajectory
 from rollpipe.engines.protocol import Engine
 from rollpipe.nodes.admitted import Admitted
 from rollpipe.nodes.closing import close_chain
+from rollpipe.nodes.env_pool import EnvForSpec, EnvPool
 from rollpipe.nodes.signals import UpstreamSignals
 from rollpipe.runtime import Feed, Runtime, RuntimeClosedError, Signal
 

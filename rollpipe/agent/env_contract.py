@@ -1,0 +1,119 @@
+"""The env contract: what an episode calls on an env, and how it reads the env.
+
+An environment speaks text: ``reset(seed)`` gives the first observation and
+``step(action_text)`` takes the model's raw response; ``info`` may hold ``action_valid``,
+``success`` and ROLL's ``metrics`` / ``metrics_agg_mode`` (see
+:mod:`rollpipe.agent.env_metrics`). Blocking envs implement :class:`TextEnv`; envs that
+do I/O implement :class:`AsyncTextEnv` (same signatures, ``async``). A :class:`ChatEnv`
+talks in chat messages and tool calls. The episode (``rollpipe.agent.episode``) calls
+these and nothing else; ``rollpipe.envs`` holds envs that implement them.
+
+Examples:
+    >>> from rollpipe.agent.env_contract import TextEnv, env_tools, is_blocking
+    >>> class Echo:
+    ...     blocking = False  # its calls take microseconds: run them on the loop
+    ...     def reset(self, seed): return "say something", {}
+    ...     def step(self, action_text): return action_text, 1.0, True, False, {}
+    ...     def close(self): pass
+    >>> isinstance(Echo(), TextEnv), is_blocking(Echo()), env_tools(Echo())
+    (True, False, ())
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from rollpipe.agent.actions import AssistantAction
+    from rollpipe.agent.records import EpisodeSpec
+
+Info = dict[str, Any]
+StepResult = tuple[str, float, bool, bool, Info]
+Messages = Sequence[Mapping[str, str]]
+"""Chat messages an env answers with: ``user`` or ``tool`` (see ``rollpipe.agent.messages``)."""
+ChatStepResult = tuple[str | Messages, float, bool, bool, Info]
+
+
+@runtime_checkable
+class TextEnv(Protocol):
+    """A blocking text environment: its calls run on env threads, off the event loop,
+    unless its own class declares ``blocking = False`` (then they run inline on the loop:
+    only for envs whose calls take microseconds and never wait; see ``is_blocking``)."""
+
+    def reset(self, seed: int) -> tuple[str, Info]: ...
+
+    def step(self, action_text: str) -> StepResult: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class AsyncTextEnv(Protocol):
+    """A text environment whose ``reset``/``step`` are coroutines (for envs doing I/O)."""
+
+    async def reset(self, seed: int) -> tuple[str, Info]: ...
+
+    async def step(self, action_text: str) -> StepResult: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class ChatEnv(Protocol):
+    """An env that answers in chat messages and receives structured actions.
+
+    ``tools`` (read after each ``reset``) are rendered into the prompt by the chat
+    template; ``step`` gets an ``AssistantAction`` because the class sets
+    ``step_input = "action"``. ``reset`` / ``step`` may be coroutines (as for
+    :class:`AsyncTextEnv`); blocking ones run on env threads like any ``TextEnv``.
+    """
+
+    step_input: ClassVar[Literal["action"]]
+    tools: Sequence[Any]
+
+    def reset(self, seed: int) -> tuple[str | Messages, Info]: ...
+
+    def step(self, action: AssistantAction) -> ChatStepResult: ...
+
+    def close(self) -> None: ...
+
+
+def takes_action(env: object) -> bool:
+    """Whether ``env.step`` takes an ``AssistantAction`` (``step_input = "action"``)
+    rather than the response text."""
+    mode = getattr(env, "step_input", "text")
+    if mode not in ("text", "action"):
+        raise ValueError(
+            f"{type(env).__name__}.step_input is {mode!r}; use 'text' (step gets the "
+            "response text) or 'action' (step gets an AssistantAction)"
+        )
+    return mode == "action"
+
+
+def env_tools(env: object) -> Sequence[Any]:
+    """The tools ``env`` declares (its ``tools`` attribute), ``()`` if none."""
+    tools = getattr(env, "tools", None)
+    return () if tools is None else tools
+
+
+def is_blocking(env: object) -> bool:
+    """Whether ``env``'s calls may block (run them off the event loop): True unless the
+    env's own class says ``blocking = False`` in its body (fast, pure-Python envs such as
+    the grid puzzles).
+
+    The promise is not inherited: a subclass of ``FrozenLake`` that adds logging or I/O
+    to ``step`` runs on env threads, where ``env_timeout_s`` applies, unless it repeats
+    the declaration itself.
+    """
+    return vars(type(env)).get("blocking", True) is not False
+
+
+def is_async_env(env: object) -> bool:
+    """True when ``env.step`` is a coroutine function (await it instead of running it)."""
+    return inspect.iscoroutinefunction(getattr(env, "step", None))
+
+
+EnvForSpec = Callable[["EpisodeSpec"], Any]
+"""Builds the environment an episode spec names (the registry's, by default)."""
