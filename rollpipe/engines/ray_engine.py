@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from rollpipe._utils.checks import check_timeout
+from rollpipe._utils.ray_calls import ActorLost, ActorRaised, call_actor
 from rollpipe.engines.backend import EngineLink
 from rollpipe.engines.base import BaseEngine
 from rollpipe.engines.pool import EnginePool
@@ -123,16 +124,14 @@ class RayBackend:
         return cls(actor, link, store, update_timeout_s)
 
     async def _call(self, method: str, *args: Any) -> Any:
-        from ray.exceptions import RayActorError, RayTaskError
-
         try:
-            return await getattr(self.actor, method).remote(*args)
-        except RayActorError as e:  # died, or unreachable
-            error = EngineError(f"RayEngine: its actor died during {method}(): {e}")
+            return await call_actor(self.actor, method, *args)
+        except ActorLost as e:  # died, or unreachable
+            error = EngineError(f"RayEngine: its actor died during {method}(): {e.error}")
             self.link.on_death(error)
             raise error from e
-        except RayTaskError as e:  # the hosted engine raised: the request's own error
-            cause = e.cause if isinstance(e.cause, BaseException) else e
+        except ActorRaised as e:  # the hosted engine raised: the request's own error
+            cause = e.cause if e.cause is not None else e.error
             raise EngineError(f"RayEngine: the hosted engine's {method}() failed: {cause}") from e
 
     async def generate(self, prompt: list[int], params: SamplingParams) -> Generation:

@@ -28,16 +28,15 @@ Outcomes, each defined (never a silent hang):
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import inspect
 import math
 import os
-import re
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from rollpipe._utils.ray_calls import ActorLost, ActorRaised, call_actor, ray_text
 from rollpipe.envs.base import Info, StepResult
 from rollpipe.envs.registry import check_config, factory_of, make, register
 
@@ -272,32 +271,26 @@ class RayEnv:
         return f"Ray actor {actor_id} (pid {self._pid or 'not started'})"
 
     async def _call(self, method: str, *args: Any, timeout: float | None, **kwargs: Any) -> Any:
-        """``actor.method(*args, **kwargs)``, awaited on the running loop (an ObjectRef is
-        awaitable)."""
-        from ray.exceptions import RayActorError, RayTaskError
-
-        ref = getattr(self._actor, method).remote(*args, **kwargs)
+        """``actor.method(*args, **kwargs)``, awaited on the running loop."""
         try:
-            if timeout is None:
-                return await ref
-            return await asyncio.wait_for(_awaited(ref), timeout)
-        except RayActorError as e:
-            if e.actor_init_failed:  # EnvHost.__init__ only unpickles the factory
+            return await call_actor(self._actor, method, *args, timeout=timeout, **kwargs)
+        except ActorLost as e:
+            if e.init_failed:  # EnvHost.__init__ only unpickles the factory
                 self._unhostable = (
                     f"RayEnv {self.name!r}: no Ray actor can host this env, its actor failed "
-                    f"to start: {_ray_text(e)}. Usually Ray workers cannot unpickle the env's "
-                    "factory: make it importable there (a module on their PYTHONPATH, "
+                    f"to start: {ray_text(e.error)}. Usually Ray workers cannot unpickle the "
+                    "env's factory: make it importable there (a module on their PYTHONPATH, "
                     "runtime_env={'py_modules': [...]}, or "
                     "ray.cloudpickle.register_pickle_by_value(module))"
                 )
                 self._lose(method, "failed to start")
                 raise RayEnvError(self._unhostable) from e
-            raise self._lose(method, "died", _ray_text(e)) from e
-        except RayTaskError as e:  # the env raised: its own exception, as in-process
+            raise self._lose(method, "died", ray_text(e.error)) from e
+        except ActorRaised as e:  # the env raised: its own exception, as in-process
             if isinstance(e.cause, Exception):
                 raise e.cause from e
             raise RayEnvError(f"RayEnv {self.name!r}: the env's {method}() failed: {e}") from e
-        except TimeoutError:  # after RayTaskError: an env's own TimeoutError is one too
+        except TimeoutError:  # after ActorRaised: an env's own TimeoutError is one too
             raise self._timed_out(method, timeout) from None
 
     def _timed_out(self, method: str, timeout: float | None) -> RayEnvError:
@@ -330,19 +323,6 @@ class RayEnv:
             f"RayEnv {self.name!r}: its {self._lost}; this episode fails, and the next "
             "reset() starts a fresh actor" + (f". Ray says: {ray_says}" if ray_says else "")
         )
-
-
-async def _awaited(ref: Any) -> Any:
-    return await ref
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def _ray_text(error: BaseException) -> str:
-    """Ray's message on one line, without its terminal colours."""
-    lines = [line.strip() for line in _ANSI.sub("", str(error)).splitlines()]
-    return "; ".join(line for line in lines if line and set(line) != {"^"})
 
 
 _EPISODE_KINDS: dict[tuple[str, int], str | None] = {}  # (name, factory) -> own kind
