@@ -30,6 +30,13 @@ class ToolCall:
     same ids. ``arguments`` holds the decoded JSON object (frozen: key-sorted pairs; use
     :attr:`kwargs`) and ``arguments_json`` the JSON text the parser produced; ``error``
     says why the arguments are unusable (not a JSON object), else ``None``.
+
+    Examples:
+        >>> call = ToolCall.from_json("call_0_0", "add", '{"b": 2, "a": 1}')
+        >>> call.kwargs, call.error, call.message()["function"]["arguments"]
+        ({'a': 1, 'b': 2}, None, '{"b": 2, "a": 1}')
+        >>> ToolCall.from_json("call_0_1", "add", "[1, 2]").error
+        'arguments must be a JSON object, got list: [1, 2]'
     """
 
     id: str
@@ -76,6 +83,16 @@ class AssistantAction:
     text holds call markup the tool parser could not read (bad JSON, no name); then
     ``tool_calls`` is empty. ``reasoning``: the reasoning block, where the model has a
     reasoning parser and wrote one.
+
+    Examples:
+        >>> call = ToolCall.from_json("call_0_0", "add", '{"a": 1, "b": 2}')
+        >>> action = AssistantAction("Adding.<tool_call>...</tool_call>", "Adding.", [call])
+        >>> action.malformed, [c["function"]["name"] for c in action.message()["tool_calls"]]
+        (False, ['add'])
+        >>> AssistantAction.plain("Left").message()
+        {'role': 'assistant', 'content': 'Left'}
+        >>> AssistantAction("<tool_call>{", "", parse_error="bad JSON").malformed
+        True
     """
 
     text: str

@@ -84,6 +84,21 @@ class ChatFormat:
             ``observation``, ``action``, ``reward``; ``current_header`` gets ``step``.
         tool_parser / reasoning_parser: names of the model's vLLM parsers (``"hermes"``,
             ``"qwen3"``, ...) for chat envs; checked against the tokenizer here.
+
+    Examples:
+        A conversation grows by appending ids, and equals the template's whole rendering:
+
+        >>> chat = ChatFormat(tokenizer, system_prompt=None)
+        >>> first = chat.first_prompt("Move?")
+        >>> response = [*chat.encode("Up"), chat.eot_id]  # as the engine returned it
+        >>> more = chat.continuation("You moved up.", response)
+        >>> talk = [{"role": "user", "content": "Move?"}, {"role": "assistant", "content": "Up"},
+        ...         {"role": "user", "content": "You moved up."}]
+        >>> whole = chat.render_messages(talk, generation_prompt=True)
+        >>> first + response + more == chat.encode(whole)
+        True
+        >>> tokenizer.decode(chat.eot_id), chat.continuation("Hi", response[:-1])[0] == chat.eot_id
+        ('<|im_end|>', True)
     """
 
     tokenizer: Any = attrs.field(eq=False, repr=False)

@@ -120,6 +120,14 @@ class EpisodeSettings:
     aborted by pauses in a row before the episode gives up. ``tool_parser`` /
     ``reasoning_parser``: the model's vLLM parsers for chat envs (``"hermes"``,
     ``"qwen3"``, ...; see :mod:`rollpipe.agent.parsers`).
+
+    Examples:
+        >>> settings = EpisodeSettings(max_turns=3, sampling={"max_tokens": 16}, on_length="end")
+        >>> settings.sampling.max_tokens, settings.cut_turn_reward
+        (16, -0.1)
+        >>> EpisodeSettings(length_penalty=-1.0)  # on_length="step" takes no penalty
+        Traceback (most recent call last):
+        ValueError: EpisodeSettings.length_penalty=-1.0 applies only to on_length='skip' or ...
     """
 
     max_turns: int = attrs.field(default=5, validator=int_in(1, MAX_TURNS))
@@ -226,6 +234,18 @@ async def run_episode(
     on a thread starts and returns, so the env is reused only once no call of it runs;
     ``env_calls_on_threads`` sends even ``blocking = False`` envs to the threads.
     ``env_id`` is the env instance's id, reported in the rows.
+
+    Examples:
+        One FrozenLake episode, run on the engine's own event loop:
+
+        >>> from rollpipe.envs import FrozenLake
+        >>> settings = EpisodeSettings(max_turns=2, sampling={"max_tokens": 16})
+        >>> spec, chat = EpisodeSpec(group_id=0, episode_id=0, seed=123), ChatFormat(tokenizer)
+        >>> traj = engine.runtime.call(run_episode(spec, FrozenLake(), engine, chat, settings))
+        >>> traj.end_reason in ("terminated", "max_turns"), 1 <= traj.num_turns <= 2
+        (True, True)
+        >>> all(len(t.response_ids) <= 16 and t.stepped for t in traj.turns)
+        True
     """
     s = settings
     chat = chat.for_env(env)  # an env's own system prompt, if it declares one

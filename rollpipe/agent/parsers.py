@@ -88,6 +88,18 @@ class ResponseParser:
         tool_parser: a name in ``vllm.tool_parsers.ToolParserManager`` or ``None``.
         reasoning_parser: a name in ``vllm.reasoning.ReasoningParserManager`` or ``None``.
         tools: the OpenAI tool schemas of the request (some parsers read argument types).
+
+    Examples:
+        >>> from transformers import AutoTokenizer
+        >>> from rollpipe.engines.tiny_model import default_model_path
+        >>> tools_tokenizer = AutoTokenizer.from_pretrained(default_model_path(tools=True))
+        >>> parser = ResponseParser(tools_tokenizer, tool_parser="hermes")
+        >>> text = 'Adding.<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+        >>> action = parser.parse(text, turn=2)
+        >>> action.content, [(c.id, c.name, c.kwargs) for c in action.tool_calls]
+        ('Adding.', [('call_2_0', 'add', {'a': 1})])
+        >>> parser.parse("<tool_call>{oops</tool_call>").parse_error
+        'JSONDecodeError: ...'
     """
 
     def __init__(

@@ -65,6 +65,11 @@ class EpisodeSpec:
     unique per trajectory and, with ``seed``, determines every sampling seed. A group
     drawn from a dataset also shares its ``row`` (plain data, handed to the env's
     ``reset(seed, row=...)``) and ``row_index`` (the row's position in the dataset).
+
+    Examples:
+        >>> spec = EpisodeSpec(group_id=3, episode_id=12, seed=7, env_config={"size": 4})
+        >>> spec.env_kwargs, EpisodeSpec.from_state(spec.to_state()) == spec
+        ({'size': 4}, True)
     """
 
     group_id: int = attrs.field(validator=int_at_least(0))
@@ -138,6 +143,13 @@ class Turn:
     call's structured outputs, ``rollpipe.frontdoor.forced``), so ``logprobs`` are the
     engine's logprobs of the grammar-masked, renormalised distribution, not the policy's;
     rows mark these tokens in ``constrained_mask``.
+
+    Examples:
+        >>> turn = Turn(prompt_ids=[1, 2, 3], response_ids=[4, 5], logprobs=[-0.5, -0.1],
+        ...             versions=[0, 0], reward=1.0, finish_reason="stop", action_valid=True,
+        ...             action_text="Up", observation="Move?")
+        >>> turn.token_array.tolist(), turn.length_cut, Turn.from_state(turn.to_state()) == turn
+        ([1, 2, 3, 4, 5], False, True)
     """
 
     prompt_ids: tuple[int, ...] = attrs.field(converter=_ints)
@@ -263,6 +275,12 @@ class Trajectory:
     ``ChatFormat`` mode the prompts were built in (``None``: one growing conversation).
     ``env_metrics`` are the env's step ``info["metrics"]`` aggregated over the episode
     (``rollpipe.agent.env_metrics``); they take part in equality, not in hashing.
+
+    Examples:
+        >>> turn = Turn([1, 2], [3, 4], [-0.5, -0.2], [5, 6], 1.0, "stop", True, "Up", "Move?")
+        >>> traj = Trajectory(EpisodeSpec(0, 9, 7), 0, [turn, turn], 2.0, True, "terminated")
+        >>> traj.traj_id, traj.num_turns, traj.num_generated_tokens, traj.version_span
+        ('frozenlake/g0/e9', 2, 4, (5, 6))
     """
 
     spec: EpisodeSpec
@@ -421,6 +439,14 @@ class Group:
     (``{tag: {reason: n}}``), so per-tag metrics can report them; ``errors`` holds the
     most recent errored trajectories behind them (``error_entry``: env, seed, turn,
     call, type, message). None takes part in equality.
+
+    Examples:
+        >>> turn = Turn([1, 2], [3], [-0.5], [4], 1.0, "stop", True, "Up", "Move?")
+        >>> trajs = [Trajectory(EpisodeSpec(0, e, 7), 0, [turn], 1.0 - e, e == 0, "terminated")
+        ...          for e in range(2)]
+        >>> group = Group(0, trajs, drops={"error": 1})
+        >>> len(group), group.scores, group.min_version, Group.from_state(group.to_state()) == group
+        (2, [1.0, 0.0], 4, True)
     """
 
     group_id: int = attrs.field(validator=int_at_least(0))

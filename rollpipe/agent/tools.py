@@ -56,6 +56,19 @@ class ToolSet:
 
     ``ToolSet([add, {"type": "function", "function": {...}}])``: a dict-declared tool has
     a schema but nothing to run unless ``functions`` maps its name to a callable.
+
+    Examples:
+        >>> def add(a: int, b: int) -> int:
+        ...     '''Add two integers.
+        ...
+        ...     Args:
+        ...         a: the first addend
+        ...         b: the second addend
+        ...     '''
+        ...     return a + b
+        >>> tools = ToolSet([add, {"type": "function", "function": {"name": "search"}}])
+        >>> tools.names, sorted(tools.parameters("add")["properties"]), sorted(tools.functions)
+        (('add', 'search'), ['a', 'b'], ['add'])
     """
 
     def __init__(

@@ -86,7 +86,20 @@ def calculator_env(
     system_prompt: str | None = DEFAULT_TOOL_PROMPT,
 ) -> ToolEnv:
     """The calculator task as a :class:`ToolEnv` (see the module doc); ``system_prompt``
-    as in :class:`ToolEnv`."""
+    as in :class:`ToolEnv`.
+
+    Examples:
+        >>> import asyncio
+        >>> from rollpipe.agent.actions import AssistantAction
+        >>> env = calculator_env(digits=2)
+        >>> prompt, info = env.reset(seed=0)
+        >>> env.tools.names, prompt == calculator_task(0, digits=2)[0]
+        (('calculate',), True)
+        >>> answer = AssistantAction.plain(f"It is {calculator_task(0, digits=2)[1]}.")
+        >>> asyncio.run(env.step(answer))[1:3]  # reward, terminated
+        (1.0, True)
+        >>> env.close()
+    """
     if not isinstance(digits, int) or not 1 <= digits <= 12:
         raise ValueError(f"calculator_env: digits must be an int in [1, 12], got {digits!r}")
     return ToolEnv(

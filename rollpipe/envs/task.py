@@ -106,6 +106,16 @@ class PromptTask:
     whether an answer could be read from the response (for the built-in scorers).
     ``system_prompt`` replaces the pipeline's (written for games) in this env's episodes;
     None sends no system message.
+
+    Examples:
+        >>> task = PromptTask(template="What is {a} + {b}?", attempts=2)
+        >>> task.reset(seed=0, row={"a": 2, "b": 3, "answer": "5"})[0]
+        'What is 2 + 3?'
+        >>> task.step("<answer>6</answer>")  # wrong: feedback, one attempt left
+        ('That is not correct. Try again.', 0.0, False, False,
+         {'action_valid': True, 'success': False, 'metrics': {'score': 0.0}})
+        >>> task.step("<answer>5</answer>")[1:3]  # reward, terminated
+        (1.0, True)
     """
 
     def __init__(

@@ -9,23 +9,27 @@ Its episodes get their own system prompt (``system_prompt``, :data:`DEFAULT_TOOL
 unless given) ahead of the template's tools block, not the pipeline's, which is written
 for text games.
 
-Example (a custom tool env)::
+Examples:
+    A custom tool env: a task, a typed tool, a verifier.
 
-    def multiply(a: int, b: int) -> int:
-        \"\"\"Multiply two integers.
-
-        Args:
-            a: the first factor
-            b: the second factor
-        \"\"\"
-        return a * b
-
-    def task(seed: int) -> tuple[str, int]:
-        rng = random.Random(seed)
-        a, b = rng.randint(10, 99), rng.randint(10, 99)
-        return f"What is {a} * {b}? Use the tool, then answer with the number.", a * b
-
-    env = ToolEnv(task, [multiply], verifier=lambda answer, truth: float(str(truth) in answer))
+    >>> import random
+    >>> def multiply(a: int, b: int) -> int:
+    ...     '''Multiply two integers.
+    ...
+    ...     Args:
+    ...         a: the first factor
+    ...         b: the second factor
+    ...     '''
+    ...     return a * b
+    >>> def task(seed: int) -> tuple[str, int]:
+    ...     rng = random.Random(seed)
+    ...     a, b = rng.randint(10, 99), rng.randint(10, 99)
+    ...     return f"What is {a} * {b}? Use the tool, then answer with the number.", a * b
+    >>> env = ToolEnv(task, [multiply], verifier=lambda answer, truth: float(str(truth) in answer))
+    >>> prompt, info = env.reset(seed=0)
+    >>> env.tools.names, prompt == task(0)[0], info
+    (('multiply',), True, {'success': False})
+    >>> env.close()
 """
 
 from __future__ import annotations
@@ -68,6 +72,24 @@ class ToolEnv:
             block (the pipeline's ``system_prompt`` is for text games); None sends no
             system message of its own (the template still writes the tools block).
         prompt_key / answer_key: a dataset row's fields (as ``PromptTask``'s).
+
+    Examples:
+        One turn of tool calls, then the answer:
+
+        >>> import asyncio
+        >>> from rollpipe.agent.actions import ToolCall
+        >>> from rollpipe.envs.calculator import calculate
+        >>> env = ToolEnv(lambda seed: ("What is 6 * 7?", 42), [calculate],
+        ...               verifier=lambda answer, truth: float(str(truth) in answer))
+        >>> prompt, info = env.reset(seed=0)
+        >>> call = ToolCall.from_json("call_0_0", "calculate", '{"expression": "6 * 7"}')
+        >>> calls = AssistantAction("<tool_call>...</tool_call>", "", [call])
+        >>> messages, reward, done, cut, info = asyncio.run(env.step(calls))
+        >>> [m["content"] for m in messages], reward, done, info["metrics"]["tool/calls"]
+        (['42'], 0.0, False, 1.0)
+        >>> asyncio.run(env.step(AssistantAction.plain("It is 42.")))[1:3]  # reward, terminated
+        (1.0, True)
+        >>> env.close()
     """
 
     step_input: ClassVar[Literal["action"]] = "action"
@@ -107,7 +129,14 @@ class ToolEnv:
         self._tool_turns = -1  # -1: not reset, or the episode ended
 
     def reset(self, seed: int, row: Any = None) -> tuple[str, Info]:
-        """A new task: the dataset's ``row`` when there is one, else ``task(seed)``."""
+        """A new task: the dataset's ``row`` when there is one, else ``task(seed)``.
+
+        Examples:
+            >>> env = ToolEnv(lambda seed: (f"What is {seed} + 1?", seed + 1), [], lambda a, t: 0.0)
+            >>> env.reset(seed=4)[0], env.reset(seed=0, row={"prompt": "Name a prime."})[0]
+            ('What is 4 + 1?', 'Name a prime.')
+            >>> env.close()
+        """
         check_seed(seed)
         if row is not None:
             prompt, self._truth = self._from_row(row)
@@ -136,7 +165,16 @@ class ToolEnv:
         return row[self.prompt_key], row.get(self.answer_key)
 
     async def step(self, action: AssistantAction) -> tuple[Any, float, bool, bool, Info]:
-        """Run the turn's tool calls, or verify its answer (see the module doc)."""
+        """Run the turn's tool calls, or verify its answer (see the module doc).
+
+        Examples:
+            >>> import asyncio
+            >>> env = ToolEnv(lambda seed: ("Say hi.", "hi"), [], lambda a, t: float(t in a))
+            >>> _ = env.reset(seed=0)
+            >>> asyncio.run(env.step(AssistantAction.plain("hi!")))
+            ('', 1.0, True, False, {'success': True, 'action_valid': True, 'answer': 'hi!'})
+            >>> env.close()
+        """
         if self._tool_turns < 0:
             raise EnvStateError("ToolEnv.step() called before reset(seed) or after the end")
         if action.tool_calls or action.parse_error is not None:
@@ -161,4 +199,15 @@ class ToolEnv:
         return "", reward, True, False, info
 
     def close(self) -> None:
+        """End the tool threads; the env's tools and verifier run no more.
+
+        Examples:
+            >>> import asyncio
+            >>> env = ToolEnv(lambda seed: ("Say hi.", "hi"), [], lambda a, t: 1.0)
+            >>> _ = env.reset(seed=0)
+            >>> env.close()
+            >>> asyncio.run(env.step(AssistantAction.plain("hi")))
+            Traceback (most recent call last):
+            RuntimeError: rollpipe-tools: the env threads were closed
+        """
         self.runner.close()

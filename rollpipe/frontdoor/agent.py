@@ -54,7 +54,12 @@ class AgentTimeoutError(TimeoutError):
 
 @attrs.frozen
 class AgentResult:
-    """What an agent may return instead of a bare reward."""
+    """What an agent may return instead of a bare reward.
+
+    Examples:
+        >>> AgentResult(1, success=True, metrics={"agent/steps": 2.0})
+        AgentResult(reward=1.0, success=True, metrics={'agent/steps': 2.0})
+    """
 
     reward: float = attrs.field(converter=float)
     success: bool = attrs.field(default=False, converter=bool)
@@ -93,6 +98,23 @@ class AgentEnv:
     The Rollout runs it through :meth:`run_episode` instead of the text-env loop. The
     AgentEnvs of one pipeline share one front door: it starts with the first episode
     and stops when the last of them is closed.
+
+    Examples:
+        One episode on the engine's loop, as the Rollout runs each spec:
+
+        >>> async def agent(client, task):
+        ...     messages = [{"role": "user", "content": task}]
+        ...     reply = await client.chat.completions.create(
+        ...         model="rollpipe", messages=messages, max_tokens=8)
+        ...     return AgentResult(1.0, success=reply.choices[0].message.role == "assistant")
+        >>> env = AgentEnv(agent, task=lambda seed: f"What is {seed} + 3?")
+        >>> spec, chat, settings = EpisodeSpec(0, 0, 2), ChatFormat(tokenizer), EpisodeSettings()
+        >>> traj = engine.runtime.call(env.run_episode(spec, engine, chat, settings))
+        >>> env.close()
+        >>> traj.end_reason, traj.num_turns, traj.score, traj.success
+        ('terminated', 1, 1.0, True)
+        >>> "What is 2 + 3?" in tokenizer.decode(traj.turns[0].prompt_ids)
+        True
     """
 
     def __init__(

@@ -13,10 +13,15 @@ responses carry the tool calls the model's own parser read. Binds ``127.0.0.1`` 
 told otherwise.
 
 Examples:
-    >>> # with VLLMEngine(path) as engine, FrontDoor(engine, tokenizer, settings) as door:
-    >>> #     session = door.open_session()   # then point any client at door.url
-    >>> #     ...                             # with api_key=session.key
-    >>> #     traj = door.finish(session.key, reward=1.0)
+    >>> import openai
+    >>> with FrontDoor(engine, tokenizer, EpisodeSettings(sampling={"max_tokens": 8})) as door:
+    ...     session = door.open_session()  # any client: base_url=door.url, api_key=session.key
+    ...     with openai.OpenAI(base_url=door.url, api_key=session.key) as client:
+    ...         hi = [{"role": "user", "content": "What is 2 + 3?"}]
+    ...         reply = client.chat.completions.create(model="rollpipe", messages=hi)
+    ...     trajectory = door.finish(session.key, reward=1.0)
+    >>> len(trajectory.turns), trajectory.score, reply.choices[0].message.role
+    (1, 1.0, 'assistant')
 """
 
 from __future__ import annotations
@@ -75,6 +80,12 @@ class FrontDoor:
         host / port: where to listen; ``port=0`` picks a free one (see :attr:`url`). A
             host other than loopback needs ``allow_remote=True`` (keys still apply).
         model_name: the id ``/v1/models`` lists (requests may name any model).
+
+    Examples:
+        >>> door = FrontDoor(engine, tokenizer); session = door.open_session()  # no ``with``
+        >>> url = engine.runtime.call(door.start()); engine.runtime.call(door.stop())
+        >>> url.endswith("/v1"), session.finished, door.closed, door.close(), door.closed
+        (True, True, False, None, True)
     """
 
     def __init__(
@@ -106,18 +117,27 @@ class FrontDoor:
     # -- lifecycle (on the loop) ------------------------------------------------------
     @property
     def closed(self) -> bool:
-        """Whether :meth:`close` was called (or the engine's runtime closed)."""
+        """Whether :meth:`close` was called (or the engine's runtime closed).
+
+        >>> door = FrontDoor(engine, tokenizer); door.closed, door.close(), door.closed
+        (False, None, True)"""
         return self._scope.closed
 
     @property
     def url(self) -> str:
-        """The OpenAI ``base_url`` (``http://host:port/v1``); set once started."""
+        """The OpenAI ``base_url`` (``http://host:port/v1``); set once started.
+
+        >>> with FrontDoor(engine, tokenizer) as door: print(door.url)
+        http://127.0.0.1:.../v1"""
         if self._runner is None:
             raise RuntimeError("FrontDoor.url: the server is not started; call start() first")
         return f"http://{self.host}:{self.port}/v1"
 
     async def start(self) -> str:
-        """Start serving on the running loop (the engine's runtime); the base url."""
+        """Start serving on the running loop (the engine's runtime); the base url.
+
+        >>> d = FrontDoor(engine, tokenizer); print(engine.runtime.call(d.start())); d.close()
+        http://127.0.0.1:.../v1"""
         if self._runner is None:
             app = web.Application(client_max_size=64 * 2**20)
             app.add_routes(
@@ -137,7 +157,11 @@ class FrontDoor:
         return self.url
 
     async def stop(self) -> None:
-        """Stop serving; open sessions are finished (their requests cancelled)."""
+        """Stop serving; open sessions are finished (their requests cancelled).
+
+        >>> with FrontDoor(engine, tokenizer) as d: engine.runtime.call(d.stop()); d.url
+        Traceback (most recent call last):
+        RuntimeError: FrontDoor.url: the server is not started; call start() first"""
         for key in list(self.sessions):
             self._end(key)
         runner, self._runner = self._runner, None
@@ -146,7 +170,10 @@ class FrontDoor:
 
     def close(self) -> None:
         """Stop serving (waiting at most ``STOP_WAIT_S`` off the loop); idempotent, from
-        any thread. On the loop's own thread the stop is scheduled, not awaited."""
+        any thread. On the loop's own thread the stop is scheduled, not awaited.
+
+        >>> door = FrontDoor(engine, tokenizer); door.close(); door.close(); door.closed
+        True"""
         runtime = self.engine.runtime
         if runtime.alive and not self._scope.closed:
             if runtime.in_loop():
@@ -178,6 +205,9 @@ class FrontDoor:
         requests in flight are cancelled) and :meth:`finish` gives an errored trajectory.
         ``keep_tools``: a call without ``tools`` is rendered with the session's last
         tools, so it continues the row (:class:`AgentSession`).
+
+        >>> with FrontDoor(engine, tokenizer) as door: door.open_session().key in door.sessions
+        True
         """
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"open_session: timeout_s must be > 0 or None, got {timeout_s!r}")
@@ -214,7 +244,11 @@ class FrontDoor:
 
     def finish(self, key: str, reward: float = 0.0, **fields: Any) -> Trajectory:
         """End session ``key`` (its key then gets 401) and return its trajectory;
-        ``fields`` go to :meth:`AgentSession.trajectory`."""
+        ``fields`` go to :meth:`AgentSession.trajectory`.
+
+        >>> with FrontDoor(engine, tokenizer) as d: trajectory = d.finish(d.open_session().key, 1.0)
+        >>> trajectory.num_turns, trajectory.score  # the reward goes on the last turn: none here
+        (0, 0.0)"""
         session = self._expired.pop(key, None) or self._end(key)
         if session.failure is not None:
             fields.setdefault("error", session.failure)
