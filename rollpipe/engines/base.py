@@ -96,6 +96,13 @@ class BaseEngine(EngineStateView):
 
         After ``gens = engine.generate_batch(prompts, params)`` on an otherwise idle
         engine, the count has grown by ``sum(len(g.token_ids) for g in gens)``.
+
+        Examples:
+            >>> before = engine.tokens_generated
+            >>> params = SamplingParams(max_tokens=5, ignore_eos=True)
+            >>> gens = engine.generate_batch([[1, 2, 3], [4, 5]], params)
+            >>> engine.tokens_generated - before
+            10
         """
         return self._tokens_generated
 
@@ -105,7 +112,16 @@ class BaseEngine(EngineStateView):
     @property
     def runtime(self) -> Runtime:
         """The event loop this engine runs on. Coroutines running on it (a ``Rollout``'s
-        episodes) reach the engine without a thread hop."""
+        episodes) reach the engine without a thread hop.
+
+        Examples:
+            >>> async def two_turns() -> int:  # both calls on the engine's own loop
+            ...     params = SamplingParams(max_tokens=2, ignore_eos=True)
+            ...     first = await engine.generate([1, 2], params)
+            ...     return (await engine.generate([1, 2, *first.token_ids], params)).num_tokens
+            >>> engine.runtime.call(two_turns()), engine.runtime.alive
+            (2, True)
+        """
         return self._runtime
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
@@ -129,7 +145,14 @@ class BaseEngine(EngineStateView):
     ) -> Generation:
         """Generate one completion; awaitable from any event loop or thread.
 
-        ``on_tokens`` gets the response's ids as they are produced (``OnTokens``)."""
+        ``on_tokens`` gets the response's ids as they are produced (``OnTokens``).
+
+        Examples:
+            >>> params, streamed = SamplingParams(max_tokens=4, ignore_eos=True), []
+            >>> gen = asyncio.run(engine.generate([1, 2, 3], params, on_tokens=streamed.extend))
+            >>> gen.num_tokens, gen.finish_reason, streamed == list(gen.token_ids)
+            (4, 'length', True)
+        """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if params.top_logprobs or params.structured_outputs is not None:
@@ -144,7 +167,16 @@ class BaseEngine(EngineStateView):
     def supports(self, feature: str) -> bool:
         """Whether this engine honours ``feature``: ``"top_logprobs"``, ``"structured_outputs"``
         (``SamplingParams`` fields) or ``"on_tokens"`` (ids as they are produced, not all
-        at once at the end)."""
+        at once at the end).
+
+        Examples:
+            >>> engine.supports("top_logprobs"), engine.supports("structured_outputs")
+            (True, True)
+            >>> from rollpipe.engines.scripted import ScriptedEngine
+            >>> with ScriptedEngine(lambda prompt_ids, params: [7]) as scripted:
+            ...     scripted.supports("top_logprobs")
+            False
+        """
         return feature in self._features
 
     def _check_features(self, params: SamplingParams) -> None:
@@ -158,7 +190,14 @@ class BaseEngine(EngineStateView):
     def generate_batch(
         self, prompts: Sequence[PromptIds], params: SamplingParams
     ) -> list[Generation]:
-        """Synchronous convenience: all ``prompts`` submitted at once, results in order."""
+        """Synchronous convenience: all ``prompts`` submitted at once, results in order.
+
+        Examples:
+            >>> greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+            >>> a, b = engine.generate_batch([tokenizer.encode("Hello")] * 2, greedy)
+            >>> a.num_tokens, a.finish_reason, a.token_ids == b.token_ids
+            (6, 'length', True)
+        """
         if self._runtime.in_loop():
             raise EngineError("generate_batch blocks; do not call it on the engine's own loop")
         if not isinstance(params, SamplingParams):
@@ -172,11 +211,32 @@ class BaseEngine(EngineStateView):
 
     def pause(self, mode: PauseMode = "abort") -> None:
         """Stop generating: ``keep`` freezes in-flight requests, ``abort`` ends them with
-        finish_reason "abort", ``wait`` lets them finish. New requests wait for resume."""
+        finish_reason "abort", ``wait`` lets them finish. New requests wait for resume.
+
+        Examples:
+            >>> from rollpipe.engines.scripted import ScriptedEngine
+            >>> with ScriptedEngine(lambda prompt_ids, params: [7]) as scripted:
+            ...     scripted.pause("abort")
+            ...     waiting = scripted.runtime.submit(scripted.generate([1], SamplingParams()))
+            ...     print(scripted.pause_mode, waiting.done())
+            ...     scripted.resume()
+            ...     print(scripted.pause_mode, waiting.result().token_ids)
+            abort False
+            None (7,)
+        """
         self._call(self._pause(check_pause_mode(mode)))
 
     def resume(self) -> None:
-        """Undo ``pause``: frozen and queued requests continue."""
+        """Undo ``pause``: frozen and queued requests continue.
+
+        Examples:
+            >>> from rollpipe.engines.scripted import ScriptedEngine
+            >>> with ScriptedEngine(lambda prompt_ids, params: [7]) as scripted:
+            ...     scripted.pause("keep")
+            ...     scripted.resume()
+            ...     scripted.is_paused, scripted.interruptions
+            (False, 2)
+        """
         self._call(self._resume())
 
     def update_weights(self, weights: WeightsLike, version: int | None = None) -> int:
@@ -184,6 +244,16 @@ class BaseEngine(EngineStateView):
 
         ``version`` defaults to the current version + 1. Tokens produced after the call
         carry the new version.
+
+        Examples:
+            >>> from rollpipe.engines.scripted import ScriptedEngine
+            >>> with ScriptedEngine(lambda prompt_ids, params: [7]) as scripted:
+            ...     print(scripted.update_weights(torch.nn.Linear(2, 2)))  # the next version
+            ...     print(scripted.update_weights({"w": torch.zeros(1)}, version=10))
+            ...     scripted.generate_batch([[1, 2]], SamplingParams())[0].versions
+            1
+            10
+            (10,)
         """
         check_new_version(version)
         named = named_tensors(weights)
@@ -195,6 +265,17 @@ class BaseEngine(EngineStateView):
 
         Every waiting caller is failed at once; the backend then stops, waiting for at
         most the step in flight.
+
+        Examples:
+            >>> from rollpipe.engines.scripted import ScriptedEngine
+            >>> scripted = ScriptedEngine(lambda prompt_ids, params: [7])
+            >>> scripted.close()
+            >>> scripted.closed, scripted.alive
+            (True, False)
+            >>> scripted.generate_batch([[1, 2]], SamplingParams())
+            Traceback (most recent call last):
+            ...
+            rollpipe.engines.records.EngineClosedError: ScriptedEngine is closed; ...
         """
         if not self._state.close():
             return

@@ -27,6 +27,14 @@ class HFEngine(BaseEngine):
 
     On CPU the decode thread uses ``cpu_threads`` torch threads (default 1 unless
     ``OMP_NUM_THREADS`` is set); other threads of the process keep their setting.
+
+    Examples:
+        >>> from rollpipe.engines.records import SamplingParams
+        >>> params = SamplingParams(max_tokens=4, ignore_eos=True)
+        >>> with HFEngine(model_path) as hf:
+        ...     gens = hf.generate_batch([tokenizer.encode("Hi"), [5, 6, 7]], params)
+        >>> [g.num_tokens for g in gens], gens[0].finish_reason
+        ([4, 4], 'length')
     """
 
     _backend: HFBackend
@@ -77,5 +85,13 @@ class HFEngine(BaseEngine):
 
     @property
     def num_batches(self) -> int:
-        """Micro-batches decoded so far (micro-batching statistics)."""
+        """Micro-batches decoded so far (micro-batching statistics).
+
+        Examples:
+            >>> from rollpipe.engines.records import SamplingParams
+            >>> with HFEngine(model_path, max_batch_size=2, batch_window_s=1) as hf:
+            ...     _ = hf.generate_batch([[1, 2], [3], [4], [5, 6]], SamplingParams(max_tokens=2))
+            ...     hf.num_batches  # 4 requests, at most 2 a batch
+            2
+        """
         return self._backend.num_batches

@@ -20,17 +20,16 @@ The pool is an ``Engine`` itself, so every stage and the pipeline use it unchang
   available on its CPU backend, so offloading frees the engine and expanding rebuilds it.
 
 Requests run on the pool's own runtime (where a ``Rollout`` runs its episodes) and reach
-each rank's engine through that engine's runtime. Control calls block their caller and
-run one at a time, under the pool's lock; they may come from any thread while requests are
-in flight. The pool's version, pause mode, interruptions and closing are an ``EngineState``
-(``state.py``), the same rules as each ``BaseEngine``'s.
+each rank's engine through that engine's runtime. Control calls (``pool_control.py``)
+block their caller and run one at a time, under the pool's lock; they may come from any
+thread while requests are in flight. The pool's version, pause mode, interruptions and
+closing are an ``EngineState`` (``state.py``), the same rules as each ``BaseEngine``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, Self
@@ -38,17 +37,13 @@ from typing import Any, Self
 import torch
 
 from rollpipe._utils.checks import check_int
-from rollpipe.engines.inputs import PromptIds, check_prompt, named_tensors
-from rollpipe.engines.pool_ranks import Rank, RankTable, check_devices, pool_devices
-from rollpipe.engines.protocol import Engine, OnTokens, PauseMode, WeightsLike, engine_supports
+from rollpipe.engines.inputs import PromptIds, check_prompt
+from rollpipe.engines.pool_control import PoolControl
+from rollpipe.engines.pool_ranks import Rank, RankTable, pool_devices
+from rollpipe.engines.protocol import Engine, OnTokens, engine_supports
 from rollpipe.engines.records import EngineClosedError, EngineError, Generation, SamplingParams
 from rollpipe.engines.routing import RankLoad, Router, Session, current_session, make_router
-from rollpipe.engines.state import (
-    EngineState,
-    EngineStateView,
-    check_new_version,
-    check_pause_mode,
-)
+from rollpipe.engines.state import EngineState, EngineStateView
 from rollpipe.runtime import Runtime
 
 __all__ = ["EnginePool"]
@@ -64,11 +59,20 @@ def _counted(on_tokens: Callable[[list[int]], None], count: list[int]) -> OnToke
     return counted
 
 
-class EnginePool(EngineStateView):
+class EnginePool(PoolControl, EngineStateView):
     """``num_engines`` engines made by ``make_engine(rank)``, behind one ``Engine``.
 
     ``devices[i]`` lists rank ``i``'s device ids (default ``[i]``); ``router`` is a name
     from ``rollpipe.engines.routing.ROUTERS`` or an object with ``route(session, loads)``.
+
+    Examples:
+        >>> from rollpipe.engines.scripted import ScriptedEngine
+        >>> def make_engine(rank):  # rank i's engine answers [i, i, i]
+        ...     return ScriptedEngine(lambda prompt_ids, params: [rank] * 3)
+        >>> with EnginePool(make_engine, 2) as pool:
+        ...     gens = pool.generate_batch([[1], [2, 3]], SamplingParams(max_tokens=2))
+        ...     pool.num_engines, [g.num_tokens for g in gens], gens[0].finish_reason
+        (2, [2, 2], 'length')
     """
 
     def __init__(
@@ -108,7 +112,15 @@ class EnginePool(EngineStateView):
     @classmethod
     def vllm(cls, model_path: Any, num_engines: int = 2, **kwargs: Any) -> EnginePool:
         """A pool of ``VLLMEngine(model_path, **engine_kwargs)``; pool options
-        (``devices``, ``router``, ``routing_log_size``) are taken out of ``kwargs``."""
+        (``devices``, ``router``, ``routing_log_size``) are taken out of ``kwargs``.
+
+        Examples:
+            >>> # pool = EnginePool.vllm(model_path, 2, kv_cache_space_gib=1, router="random")
+            >>> EnginePool.vllm("/no/model/here", 2)  # each rank's VLLMEngine checks its path
+            Traceback (most recent call last):
+            ...
+            ValueError: VLLMEngine: model_path '/no/model/here' has no config.json; ...
+        """
         from rollpipe.engines.vllm import VLLMEngine
 
         pool_keys = ("devices", "router", "routing_log_size")
@@ -124,44 +136,127 @@ class EnginePool(EngineStateView):
     # -- state (version, pause_mode, closed, ...: EngineStateView) ----------------------
     @property
     def runtime(self) -> Runtime:
-        """The pool's event loop: episodes run here and reach each rank's engine from it."""
+        """The pool's event loop: episodes run here and reach each rank's engine from it.
+
+        Examples:
+            >>> from rollpipe.engines.scripted import ScriptedEngine
+            >>> with EnginePool(lambda rank: ScriptedEngine(lambda p, s: [7]), 2) as pool:
+            ...     gen = pool.runtime.call(pool.generate([1, 2], SamplingParams()))
+            ...     gen.token_ids, pool.runtime.alive
+            ((7,), True)
+        """
         return self._runtime
 
     @property
     def num_engines(self) -> int:
+        """Ranks in the pool, active or not (see ``active_ranks``).
+
+        Examples:
+            >>> from rollpipe.engines.scripted import ScriptedEngine
+            >>> with EnginePool(lambda rank: ScriptedEngine(lambda p, s: [7]), 2) as pool:
+            ...     _ = pool.shrink([1])
+            ...     pool.num_engines, pool.active_ranks
+            (2, [0])
+        """
         return len(self._table.ranks)
 
     @property
     def active_ranks(self) -> list[int]:
+        """The ranks requests are routed to (not shrunk, not failed), in order.
+
+        Examples:
+            >>> from rollpipe.engines.scripted import ScriptedEngine
+            >>> with EnginePool(lambda rank: ScriptedEngine(lambda p, s: [7]), 3) as pool:
+            ...     _ = pool.shrink([0])
+            ...     pool.active_ranks
+            [1, 2]
+        """
         return [load.rank for load in self._table.loads()]
 
     @property
     def routing_log(self) -> deque[tuple[Hashable | None, int]]:
-        """``(session key, rank)`` of each routed request, the latest ``routing_log_size``."""
+        """``(session key, rank)`` of each routed request, the latest ``routing_log_size``.
+
+        Examples:
+            >>> from rollpipe.engines.scripted import ScriptedEngine
+            >>> with EnginePool(lambda rank: ScriptedEngine(lambda p, s: [7]), 2) as pool:
+            ...     _ = pool.generate_batch([[1, 2]], SamplingParams())
+            ...     list(pool.routing_log)  # no session: not made by an episode
+            [(None, 0)]
+        """
         return self._table.routing_log
 
     @property
     def rerouted(self) -> int:
-        """Requests re-sent because their rank left the pool (shrunk or failed)."""
+        """Requests re-sent because their rank left the pool (shrunk or failed).
+
+        Examples:
+            >>> from rollpipe.engines.scripted import ScriptedEngine
+            >>> with EnginePool(lambda rank: ScriptedEngine(lambda p, s: [7]), 2) as pool:
+            ...     pool.engine(0).close()  # rank 0's engine dies
+            ...     gen = pool.generate_batch([[1, 2]], SamplingParams())[0]  # routed to rank 0
+            ...     gen.token_ids, pool.rerouted
+            ((7,), 1)
+        """
         return self._table.rerouted
 
     def loads(self) -> list[RankLoad]:
-        """Each active rank's in-flight requests and tokens, now."""
+        """Each active rank's in-flight requests and tokens, now.
+
+        Examples:
+            >>> from rollpipe.engines.scripted import ScriptedEngine
+            >>> with EnginePool(lambda rank: ScriptedEngine(lambda p, s: [7]), 2) as pool:
+            ...     pool.loads()
+            [RankLoad(rank=0, requests=0, tokens=0), RankLoad(rank=1, requests=0, tokens=0)]
+        """
         return self._table.loads()
 
     def rank_devices(self, rank: int) -> frozenset[int]:
+        """Rank ``rank``'s device ids (``devices[rank]``, default ``{rank}``).
+
+        Examples:
+            >>> from rollpipe.engines.scripted import ScriptedEngine
+            >>> make = lambda rank: ScriptedEngine(lambda p, s: [7])
+            >>> with EnginePool(make, 2, devices=[[0, 1], [2, 3]]) as pool:
+            ...     sorted(pool.rank_devices(1))
+            [2, 3]
+        """
         return self._table.ranks[rank].devices
 
     def engine(self, rank: int) -> Engine | None:
-        """Rank ``rank``'s engine (None while it is offloaded)."""
+        """Rank ``rank``'s engine (None while it is offloaded).
+
+        Examples:
+            >>> from rollpipe.engines.scripted import ScriptedEngine
+            >>> with EnginePool(lambda rank: ScriptedEngine(lambda p, s: [7]), 2) as pool:
+            ...     _ = pool.shrink([1])
+            ...     type(pool.engine(0)).__name__, pool.engine(1)
+            ('ScriptedEngine', None)
+        """
         return self._table.ranks[rank].engine
 
     def failures(self) -> dict[int, BaseException]:
-        """Ranks taken out because their engine failed, with the error."""
+        """Ranks taken out because their engine failed, with the error.
+
+        Examples:
+            >>> from rollpipe.engines.scripted import ScriptedEngine
+            >>> with EnginePool(lambda rank: ScriptedEngine(lambda p, s: [7]), 2) as pool:
+            ...     pool.engine(0).close()  # rank 0's engine dies; its request goes to rank 1
+            ...     gen = pool.generate_batch([[1, 2]], SamplingParams())[0]
+            ...     pool.failures(), pool.active_ranks
+            ({0: EngineError('rank 0 (devices [0]): its engine died')}, [1])
+        """
         return {r.index: r.error for r in self._table.ranks if r.error is not None}
 
     def supports(self, feature: str) -> bool:
-        """Whether every active rank's engine honours ``feature`` (``BaseEngine.supports``)."""
+        """Whether every active rank's engine honours ``feature`` (``BaseEngine.supports``).
+
+        Examples:
+            >>> from rollpipe.engines.scripted import ScriptedEngine
+            >>> with EnginePool(lambda rank: ScriptedEngine(lambda p, s: [7]), 2) as pool:
+            ...     pool.supports("top_logprobs"), pool.supports("on_tokens")
+            (False, False)
+        """
         engines = self._table.active_engines()
         return bool(engines) and all(engine_supports(e, feature) for e in engines)
 
@@ -174,7 +269,16 @@ class EnginePool(EngineStateView):
         ``on_tokens`` reaches the rank's engine; it is called on that engine's loop. A
         streamed request (``on_tokens``) is not re-sent from its start, since its first
         ids are already out: it continues on another rank from the prompt plus those ids,
-        with the budget left; if its rank's engine fails after streaming, it fails."""
+        with the budget left; if its rank's engine fails after streaming, it fails.
+
+        Examples:
+            >>> import asyncio
+            >>> from rollpipe.engines.scripted import ScriptedEngine
+            >>> with EnginePool(lambda rank: ScriptedEngine(lambda p, s: [7, 8, 9]), 2) as pool:
+            ...     gen = asyncio.run(pool.generate([1, 2], SamplingParams(max_tokens=2)))
+            ...     gen.token_ids, gen.finish_reason, gen.versions
+            ((7, 8), 'length', (0, 0))
+        """
         prompt = check_prompt(prompt_ids)  # each rank checks the ids against its vocabulary
         self._state.check_open()
         session = current_session()  # read in the caller's task, before any hop
@@ -183,6 +287,15 @@ class EnginePool(EngineStateView):
     def generate_batch(
         self, prompts: Sequence[PromptIds], params: SamplingParams
     ) -> list[Generation]:
+        """Synchronous convenience: all ``prompts`` submitted at once, results in order.
+
+        Examples:
+            >>> from rollpipe.engines.scripted import ScriptedEngine
+            >>> with EnginePool(lambda rank: ScriptedEngine(lambda p, s: [7]), 2) as pool:
+            ...     gens = pool.generate_batch([[1], [2, 3], [4]], SamplingParams())
+            ...     [g.token_ids for g in gens], len(pool.routing_log)
+            ([(7,), (7,), (7,)], 3)
+        """
         if self._runtime.in_loop():
             raise EngineError("generate_batch blocks; do not call it on the pool's own loop")
         checked = [check_prompt(p) for p in prompts]
@@ -226,128 +339,19 @@ class EnginePool(EngineStateView):
                     return Generation.joined(parts, "length")
                 prompt, params = [*prompt, *gen.token_ids], params.replace(max_tokens=left)
 
-    # -- control ---------------------------------------------------------------------------
-    def pause(self, mode: PauseMode = "abort") -> None:
-        """Pause every active rank in ``mode`` (see ``Engine.pause``)."""
-        check_pause_mode(mode)
-        with self._control:
-            self._state.check_open()
-            was_running = self._state.pause_mode is None
-            paused: list[Engine] = []
-            with self._state.pausing(mode):  # the previous mode comes back if this raises
-                try:
-                    for engine in self._table.active_engines():
-                        engine.pause(mode)
-                        paused.append(engine)
-                except BaseException:
-                    if was_running:
-                        for engine in paused:
-                            with contextlib.suppress(EngineError):
-                                engine.resume()
-                    raise
-
-    def resume(self) -> None:
-        with self._control:
-            self._state.check_open()
-            with self._state.resuming():
-                for engine in self._table.active_engines():
-                    engine.resume()
-
-    def update_weights(self, weights: WeightsLike, version: int | None = None) -> int:
-        """Load ``weights`` into every active rank (one after another) and keep a CPU copy
-        for ranks that come back later; returns the pool's new version."""
-        check_new_version(version)
-        named = named_tensors(weights)
-        with self._control:
-            self._state.check_open()
-            with self._state.updating(version) as new_version:  # stored once all loaded
-                for engine in self._table.active_engines():
-                    engine.update_weights(named, version=new_version)
-                self._weights = [(name, t.to("cpu", copy=True)) for name, t in named]
-        return new_version
-
-    def shrink(self, target_gpus: Iterable[int]) -> dict[str, Any]:
-        """Take out every rank whose devices touch ``target_gpus`` (ROLL's shrink_sampler).
-
-        Returns ``aborted`` (their requests that were cut and re-sent elsewhere),
-        ``remapped`` (sessions whose route was cleared), ``offload_ranks``,
-        ``shrink_duration_ms``.
-        """
-        start = time.perf_counter()
-        with self._control:
-            self._state.check_open()
-            targets = check_devices(target_gpus, self._all_devices, "shrink_sampler")
-            chosen, remapped, engines = self._table.take_out(targets)
-            for engine in engines:
-                _abort(engine)
-            # the cut requests come back as aborted (with their tokens) and are re-sent
-            # before their engines close: a streamed one continues from its tokens
-            aborted = self._table.wait_released(chosen, timeout=30)
-            for engine in engines:
-                engine.close()
-        return {
-            "aborted": aborted,
-            "remapped": remapped,
-            "offload_ranks": [r.index for r in chosen],
-            "shrink_duration_ms": (time.perf_counter() - start) * 1000,
-        }
-
-    def expand(self, target_gpus: Iterable[int], skip_load: bool = False) -> dict[str, Any]:
-        """Bring back every rank lying within ``target_gpus`` (ROLL's expand_sampler).
-
-        Each is rebuilt and loaded with the pool's current weights, or with ``skip_load``
-        checked to be at the pool's version already (refused otherwise). Returns
-        ``load_ranks``, ``expand_duration_ms`` (and ``aborted`` / ``remapped``: 0, since
-        rollpipe does not move live requests onto the new ranks; new episodes fill them).
-        """
-        start = time.perf_counter()
-        with self._control:
-            self._state.check_open()
-            targets = check_devices(target_gpus, self._all_devices, "expand_sampler")
-            chosen = self._table.to_expand(targets)
-            built: list[tuple[Rank, Engine]] = []
-            try:
-                for rank in chosen:
-                    if rank.engine is not None:  # a failed engine: free it first
-                        _offload(rank.engine)
-                        rank.engine = None
-                    engine = self._build(rank.index)
-                    built.append((rank, engine))
-                    self._bring_up_to_date(rank, engine, skip_load)
-                    if self._state.pause_mode is not None:
-                        engine.pause(self._state.pause_mode)
-            except BaseException:
-                for _, engine in built:
-                    _offload(engine)
-                raise
-            self._table.put_back(built)
-        return {
-            "aborted": 0,
-            "remapped": 0,
-            "load_ranks": [r.index for r in chosen],
-            "expand_duration_ms": (time.perf_counter() - start) * 1000,
-        }
-
-    def _bring_up_to_date(self, rank: Rank, engine: Engine, skip_load: bool) -> None:
-        version = self._state.version
-        if skip_load or self._weights is None:
-            if engine.version != version:
-                how = (
-                    "expand without skip_load to load the current weights"
-                    if skip_load
-                    else "make_engine must build the pool's current weights"
-                )
-                raise ValueError(
-                    f"expand_sampler: {rank.describe()} is at policy version {engine.version} "
-                    f"but the pool is at {version}; {how}"
-                )
-            return
-        engine.update_weights(self._weights, version=version)
-
     # -- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:
         """Close every rank's engine and the pool's runtime; waiting callers get
-        EngineClosedError at once."""
+        EngineClosedError at once.
+
+        Examples:
+            >>> from rollpipe.engines.scripted import ScriptedEngine
+            >>> pool = EnginePool(lambda rank: ScriptedEngine(lambda p, s: [7]), 2)
+            >>> first = pool.engine(0)
+            >>> pool.close()
+            >>> pool.closed, first.closed
+            (True, True)
+        """
         if self._state.closed:
             return
         engines = self._table.close()  # closes the state under the table's lock
@@ -363,15 +367,3 @@ class EnginePool(EngineStateView):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _abort(engine: Engine) -> None:
-    """End what a rank's engine runs as aborted (the pool re-sends it)."""
-    with contextlib.suppress(EngineError):
-        engine.pause("abort")
-
-
-def _offload(engine: Engine) -> None:
-    """Free a rank's engine: abort what it runs, then close it."""
-    _abort(engine)
-    engine.close()

@@ -28,7 +28,17 @@ FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
 
 
 class EngineError(RuntimeError):
-    """The engine failed (died, rejected a request, or a weight update went wrong)."""
+    """The engine failed (died, rejected a request, or a weight update went wrong).
+
+    Examples:
+        >>> from rollpipe.engines.scripted import ScriptedEngine
+        >>> with ScriptedEngine(lambda prompt, params: [7]) as scripted:
+        ...     try:  # a scripted engine has no top log-probs to give
+        ...         scripted.generate_batch([[1, 2]], SamplingParams(top_logprobs=2))
+        ...     except EngineError as e:
+        ...         print(e)
+        SamplingParams.top_logprobs=2: ScriptedEngine does not support top_logprobs; ...
+    """
 
 
 class EngineClosedError(EngineError, RuntimeClosedError):
@@ -36,6 +46,16 @@ class EngineClosedError(EngineError, RuntimeClosedError):
 
     Also a ``RuntimeClosedError``: ``except RuntimeClosedError`` catches every close
     (the engine's, the pipeline's) that woke a waiting call.
+
+    Examples:
+        >>> from rollpipe.engines.scripted import ScriptedEngine
+        >>> scripted = ScriptedEngine(lambda prompt, params: [7])
+        >>> scripted.close()
+        >>> try:
+        ...     scripted.generate_batch([[1, 2]], SamplingParams())
+        ... except EngineClosedError as e:
+        ...     print(isinstance(e, EngineError), e)
+        True ScriptedEngine is closed; create a new engine to generate again
     """
 
 
@@ -98,6 +118,15 @@ class SamplingParams:
     ``structured_outputs`` constrains the output as vLLM's ``StructuredOutputsParams`` with
     those fields does (``{"json": schema}``, ``{"regex": ...}``, ``{"structural_tag":
     ...}``, ...). Engines that cannot do either raise ``EngineError`` naming the field.
+
+    Examples:
+        >>> params = SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=2)
+        >>> params.greedy, params.stop_token_ids, params.replace(seed=7).seed
+        (True, (2,), 7)
+        >>> SamplingParams(top_p=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: SamplingParams.top_p must be a finite number in (0.0, 1.0], got 0
     """
 
     max_tokens: int = attrs.field(default=64, validator=int_at_least(1))
@@ -192,6 +221,14 @@ class Generation:
 
     Backends build it from the Python ints and floats they already hold: the fields are
     stored as tuples, and only their lengths are checked (no per-element conversion).
+
+    Examples:
+        >>> params = SamplingParams(max_tokens=4, ignore_eos=True)
+        >>> gen = engine.generate_batch([tokenizer.encode("Hello")], params)[0]
+        >>> gen.num_tokens, len(gen.logprobs), gen.finish_reason
+        (4, 4, 'length')
+        >>> gen.versions == (engine.version,) * 4  # every token's policy version
+        True
     """
 
     token_ids: tuple[int, ...] = attrs.field(converter=_frozen_ints)

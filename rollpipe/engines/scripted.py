@@ -75,6 +75,15 @@ class ScriptedEngine(BaseEngine):
     A response is cut at ``params.max_tokens`` and after the first of
     ``params.stop_token_ids`` (finish reason ``"stop"``, else ``"length"``); its
     log-probs are 0.0.
+
+    Examples:
+        >>> def echo(prompt_ids, params):  # the prompt back, then token 2
+        ...     return [*prompt_ids, 2]
+        >>> with ScriptedEngine(echo) as scripted:
+        ...     stop = scripted.generate_batch([[5, 6]], SamplingParams(stop_token_ids=2))[0]
+        ...     cut = scripted.generate_batch([[5, 6]], SamplingParams(max_tokens=1))[0]
+        >>> stop.token_ids, stop.finish_reason, cut.token_ids, cut.finish_reason
+        ((5, 6, 2), 'stop', (5,), 'length')
     """
 
     def __init__(self, policy: Policy, *, name: str = "scripted-engine") -> None:

@@ -168,28 +168,91 @@ class EngineStateView:
 
     @property
     def version(self) -> int:
-        """The policy version of the weights the engine generates with now."""
+        """The policy version of the weights the engine generates with now.
+
+        Examples:
+            >>> import torch
+            >>> from rollpipe.engines.scripted import ScriptedEngine
+            >>> with ScriptedEngine(lambda prompt_ids, params: [7]) as scripted:
+            ...     before = scripted.version
+            ...     scripted.update_weights(torch.nn.Linear(2, 2))  # returns the new version
+            ...     before, scripted.version
+            1
+            (0, 1)
+        """
         return self._state.version
 
     @property
     def is_paused(self) -> bool:
+        """Whether the engine is paused (``pause`` was called, ``resume`` not yet).
+
+        Examples:
+            >>> from rollpipe.engines.scripted import ScriptedEngine
+            >>> with ScriptedEngine(lambda prompt_ids, params: [7]) as scripted:
+            ...     scripted.pause("wait")
+            ...     paused = scripted.is_paused
+            ...     scripted.resume()
+            ...     paused, scripted.is_paused
+            (True, False)
+        """
         return self._state.pause_mode is not None
 
     @property
     def pause_mode(self) -> PauseMode | None:
-        """The mode of the current pause, None while running."""
+        """The mode of the current pause, None while running.
+
+        Examples:
+            >>> from rollpipe.engines.scripted import ScriptedEngine
+            >>> with ScriptedEngine(lambda prompt_ids, params: [7]) as scripted:
+            ...     scripted.pause("keep")
+            ...     mode = scripted.pause_mode
+            ...     scripted.resume()
+            ...     mode, scripted.pause_mode
+            ('keep', None)
+        """
         return self._state.pause_mode
 
     @property
     def interruptions(self) -> int:
-        """Pauses, resumes and weight updates so far (see ``Engine.interruptions``)."""
+        """Pauses, resumes and weight updates so far (see ``Engine.interruptions``).
+
+        Examples:
+            >>> import torch
+            >>> from rollpipe.engines.scripted import ScriptedEngine
+            >>> with ScriptedEngine(lambda prompt_ids, params: [7]) as scripted:
+            ...     scripted.pause()
+            ...     scripted.resume()
+            ...     version = scripted.update_weights(torch.nn.Linear(2, 2))
+            ...     scripted.interruptions
+            3
+        """
         return self._state.interruptions
 
     @property
     def closed(self) -> bool:
+        """Whether ``close`` was called (``generate`` then raises ``EngineClosedError``).
+
+        Examples:
+            >>> from rollpipe.engines.scripted import ScriptedEngine
+            >>> with ScriptedEngine(lambda prompt_ids, params: [7]) as scripted:
+            ...     print(scripted.closed)
+            False
+            >>> scripted.closed  # the with block closed it
+            True
+        """
         return self._state.closed
 
     @property
     def alive(self) -> bool:
-        """Whether the engine can still generate (neither closed nor dead)."""
+        """Whether the engine can still generate (neither closed nor dead).
+
+        Examples:
+            >>> engine.alive
+            True
+            >>> from rollpipe.engines.scripted import ScriptedEngine
+            >>> scripted = ScriptedEngine(lambda prompt_ids, params: [7])
+            >>> scripted.close()
+            >>> scripted.alive
+            False
+        """
         return not self._state.closed and self._state.dead is None

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import shutil
 import tempfile
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from rollpipe.engines._tiny_corpus import training_corpus
 from rollpipe.engines.tiny_tools import (
     SPECIAL_TOOL_TOKENS,
     TOOL_TOKENS,
@@ -60,51 +60,6 @@ _QWEN2_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
     r"""\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
-_ACTIONS = ("Left", "Down", "Right", "Up", "Push", "left", "down", "right", "up")
-_PROSE = (
-    "You are playing FrozenLake. Reach the goal G without falling into a hole O.",
-    "You are playing Sokoban. Push every box X onto a target O. Walls are #.",
-    "P is the player, _ is frozen ice, O is a hole, G is the goal.",
-    "The symbols are: # wall, _ empty, O target, X box, √ box on target, P player, S player "
-    "on target.",
-    "Decide the next action. Answer with one of Left, Down, Right, Up inside <answer></answer>.",
-    "Think step by step inside <think></think>, then give your answer inside <answer></answer>.",
-    "You can move Left, Right, Up or Down. The ice is slippery.",
-    "Invalid action. Your answer must look like <answer>Left</answer>.",
-    "Reward: 1.0. You reached the goal. Reward: 0.0. Reward: -0.1. Turn 1 of 10.",
-    "The player moved. The box moved onto the target. You fell into a hole.",
-    "You are a helpful assistant.",
-    "The quick brown fox jumps over the lazy dog. 0 1 2 3 4 5 6 7 8 9 10",
-    "Current state:",
-    "Observation:",
-    "Action:",
-)
-
-
-def _grid_text(rng: random.Random, symbols: str, size: int, sep: str) -> str:
-    rows = []
-    for _ in range(size):
-        rows.append(sep.join(rng.choice(symbols) for _ in range(size)))
-    return "\n".join(rows)
-
-
-def _training_corpus() -> list[str]:
-    """A fixed, built-in corpus: env grids, answers and chat scaffolding."""
-    rng = random.Random(20240611)  # fixed: the tokenizer never depends on build arguments
-    corpus: list[str] = []
-    for i in range(600):
-        size = 3 + i % 5
-        lake = _grid_text(rng, "P___OG", size, "" if i % 2 else " ")
-        room = _grid_text(rng, "#__OXP√S", size, "" if i % 3 else " ")
-        action = _ACTIONS[i % len(_ACTIONS)]
-        prose = _PROSE[i % len(_PROSE)]
-        corpus.append(
-            f"system\n{_PROSE[10]}\nuser\n{prose}\nCurrent state:\n{lake}\n"
-            f"assistant\n<think>I should go {action}.</think><answer>{action}</answer>\n"
-        )
-        corpus.append(f"user\nObservation:\n{room}\nassistant\n<answer>{action}</answer>\n")
-    corpus.extend(_PROSE)
-    return corpus
 
 
 def _train_tokenizer(vocab_size: int, tools: bool = False) -> str:
@@ -146,7 +101,7 @@ def _train_tokenizer(vocab_size: int, tools: bool = False) -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    corpus = _training_corpus() + (tool_corpus() if tools else [])
+    corpus = training_corpus() + (tool_corpus() if tools else [])
     tok.train_from_iterator(corpus, trainer=trainer)
     for i, t in enumerate(special):
         if tok.token_to_id(t) != i:
@@ -253,6 +208,12 @@ def build_tiny_model(
     next-token distribution has clear winners (greedy decoding is not a coin flip
     between near-tied logits). ``tools=True``: the tool-calling variant (module doc).
     The directory is created; existing files are replaced.
+
+    Examples:
+        >>> with tempfile.TemporaryDirectory() as tmp:  # a fraction of a second
+        ...     cfg = json.loads((build_tiny_model(tmp, seed=1) / "config.json").read_text())
+        >>> cfg["model_type"], cfg["vocab_size"], cfg["hidden_size"]
+        ('qwen2', 512, 128)
     """
     _check_args(
         seed,
@@ -376,6 +337,11 @@ def default_model_path(seed: int = 0, **kwargs: Any) -> Path:
     ``~/.cache/rollpipe``); the directory name hashes the arguments. The model is built
     into a temporary directory and renamed into place, so concurrent processes are safe:
     the first rename wins, the others discard their copy.
+
+    Examples:
+        >>> path = default_model_path()  # built on the first call, then found in the cache
+        >>> (path / "model.safetensors").is_file(), str(path) == model_path
+        (True, True)
     """
     key = json.dumps({"format": FORMAT_VERSION, "seed": seed, **kwargs}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]

@@ -69,6 +69,13 @@ class VLLMEngine(BaseEngine):
     with ``cpu_threads`` torch threads (default 1 unless ``OMP_NUM_THREADS`` is set;
     only the engine's own thread or process is affected). Extra ``engine_kwargs`` go to
     vLLM's ``EngineArgs``.
+
+    Examples:
+        >>> # engine = VLLMEngine(model_path, kv_cache_space_gib=1)  (the shared one, here)
+        >>> params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        >>> gen = engine.generate_batch([tokenizer.encode("Hello")], params)[0]
+        >>> gen.num_tokens, gen.finish_reason, engine.max_model_len, engine.multiprocess
+        (8, 'length', 2048, False)
     """
 
     def __init__(
