@@ -208,3 +208,18 @@ def plain_round_trip(state: Any) -> Any:
     torch.save(state, buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=True)
+
+
+def test_an_agent_env_is_an_episode_kind_not_an_env() -> None:
+    """AgentEnv runs its own episode: it satisfies EpisodeKind, has no reset/step for an
+    episode to call by mistake, and a dataset's rows reach it through the spec."""
+    from rollpipe.agent.env_contract import EpisodeKind, TextEnv, runs_own_episode
+    from rollpipe.envs.registry import takes_row
+
+    async def agent(client: Any, task: Any) -> float:
+        return 0.0
+
+    env = AgentEnv(agent, task=lambda seed: "hi")
+    assert isinstance(env, EpisodeKind) and runs_own_episode(env)
+    assert not isinstance(env, TextEnv) and not hasattr(env, "reset")
+    assert takes_row(env)

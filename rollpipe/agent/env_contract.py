@@ -117,3 +117,31 @@ def is_async_env(env: object) -> bool:
 
 EnvForSpec = Callable[["EpisodeSpec"], Any]
 """Builds the environment an episode spec names (the registry's, by default)."""
+
+
+@runtime_checkable
+class EpisodeKind(Protocol):
+    """An episode kind that runs its own episode instead of being stepped: the rollout
+    hands it the spec, the engine and the settings, and it returns the
+    :class:`~rollpipe.agent.records.Trajectory` (``rollpipe.AgentEnv``: an ``openai``
+    client agent through the front door). It has no ``reset`` / ``step``; a dataset's
+    row reaches it as ``spec.row``."""
+
+    async def run_episode(
+        self,
+        spec: EpisodeSpec,
+        engine: Any,
+        chat: Any,
+        settings: Any,
+        *,
+        admit: Any = None,
+        env_id: int = 0,
+    ) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+def runs_own_episode(env: object) -> bool:
+    """Whether ``env`` is an :class:`EpisodeKind` (it runs its own episode) rather than an
+    env the episode steps."""
+    return callable(getattr(env, "run_episode", None))

@@ -37,6 +37,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from rollpipe._utils.ray_calls import ActorLost, ActorRaised, call_actor, ray_text
+from rollpipe.agent.env_contract import runs_own_episode
 from rollpipe.envs.base import Info, StepResult
 from rollpipe.envs.registry import check_config, factory_of, make, register
 
@@ -336,7 +337,7 @@ def check_hostable(name: str, config: Mapping[str, Any]) -> None:
     if key not in _EPISODE_KINDS:
         env = make(name, **dict(config))
         try:
-            own = callable(getattr(env, "run_episode", None))
+            own = runs_own_episode(env)
             _EPISODE_KINDS[key] = type(env).__name__ if own else None
         finally:
             close = getattr(env, "close", None)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rollpipe._utils.import_path import NotAnImportPath, import_object
+from rollpipe.agent.env_contract import runs_own_episode
 from rollpipe.envs.base import AsyncTextEnv, ChatEnv, TextEnv
 
 AnyEnv = TextEnv | AsyncTextEnv | ChatEnv
@@ -136,7 +137,10 @@ def check_env(name: str, config: dict[str, Any], *, row: bool = False) -> None:
 
 
 def takes_row(env: Any) -> bool:
-    """Whether ``env.reset`` accepts a ``row`` keyword (or any keyword)."""
+    """Whether ``env.reset`` accepts a ``row`` keyword (or any keyword); an episode kind
+    (``AgentEnv``) takes its row from the spec."""
+    if runs_own_episode(env):
+        return True
     try:
         params = inspect.signature(env.reset).parameters.values()
     except (TypeError, ValueError):  # no signature to read: let the first reset tell

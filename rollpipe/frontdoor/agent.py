@@ -82,7 +82,8 @@ def _result(value: Any) -> AgentResult:
 
 
 class AgentEnv:
-    """An episode kind that runs ``agent(client, task)`` (see the module doc).
+    """An episode kind that runs ``agent(client, task)`` (see the module doc): an
+    :class:`~rollpipe.agent.env_contract.EpisodeKind`, with no ``reset`` / ``step``.
 
     Args:
         agent: ``async def agent(client, task) -> float | AgentResult``.
@@ -136,16 +137,6 @@ class AgentEnv:
             raise ValueError(f"AgentEnv.keep_tools must be True or False, got {keep_tools!r}")
         self.keep_tools = keep_tools
         self.door: FrontDoor | None = None
-
-    def reset(self, seed: int, row: Any = None) -> Any:
-        """Not a text env: the Rollout runs an AgentEnv through :meth:`run_episode`. The
-        method exists so that dataset configs, which check ``reset(seed, row=...)``,
-        accept it (the agent then gets the row as its task)."""
-        raise TypeError(
-            "AgentEnv is not stepped like a text env: run it with a Rollout (or call "
-            "run_episode) on the engine's loop, with env_backend='local' (a Ray env worker "
-            "cannot host it); its agent gets the task"
-        )
 
     def task_for(self, spec: EpisodeSpec) -> Any:
         """The task of ``spec``'s episode."""
