@@ -35,7 +35,18 @@ NodeHook = Callable[[BaseNode[Any]], BaseNode[Any]]
 
 @attrs.frozen
 class PipelineNodes:
-    """The wired stages, for users who want to hold or extend them."""
+    """The wired stages, for users who want to hold or extend them.
+
+    Examples:
+        >>> from rollpipe import ScriptedEngine
+        >>> with ScriptedEngine(lambda *_: []) as scripted:
+        ...     nodes = build_nodes(PipelineConfig(group_size=2, batch_size=6), scripted, tokenizer)
+        ...     print(nodes.source.group_size, nodes.batch.num_trajectories)
+        ...     print(nodes.batch.source is nodes.groups, nodes.collate.source is nodes.batch)
+        ...     nodes.root.close()  # closes every stage before it too
+        2 6
+        True True
+    """
 
     signals: UpstreamSignals  # cancellations, grants, replacements (flow upstream)
     suspension: Suspension  # suspend / resume / update_weights; admission reads it
@@ -57,7 +68,24 @@ def build_nodes(
 ) -> PipelineNodes:
     """Wire the standard chain. ``hooks[stage]`` wraps that stage's output node, e.g.
     ``{"rollout": lambda n: torchdata.nodes.Mapper(n, add_reward_model_score)}``;
-    ``name`` names the pipeline in the suspension's messages."""
+    ``name`` names the pipeline in the suspension's messages.
+
+    Examples:
+        Without ``async_generation_ratio`` the source needs no grants (``RolloutPipeline``
+        grants each ``get_batch``'s groups); a hook after the groups sees each group:
+
+        >>> from rollpipe import ScriptedEngine
+        >>> config = PipelineConfig(group_size=2, batch_size=4, num_groups=2, max_turns=1,
+        ...                         async_generation_ratio=None)
+        >>> seen = []
+        >>> record = lambda group: seen.append(group.group_id) or group
+        >>> with ScriptedEngine(lambda *_: []) as scripted:
+        ...     nodes = build_nodes(config, scripted, tokenizer,
+        ...                         hooks={"groups": lambda node: Mapper(node, record)})
+        ...     print([len(batch) for batch in nodes.root], seen)
+        ...     nodes.root.close()
+        [4] [0, 1]
+    """
     hooks = dict(hooks or {})
     unknown = sorted(set(hooks) - {"source", "rollout", "groups", "batch", "collate"})
     if unknown:

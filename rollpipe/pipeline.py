@@ -1,11 +1,7 @@
-"""RolloutPipeline: the ready-made chain from one config to ``DataProto`` batches.
-
-    EpisodeSource → Rollout → GroupAssembler → Batch → Collate → Pausable
-
-``build_nodes`` wires the chain functionally (and lets you insert your own nodes
-between stages); ``RolloutPipeline`` wraps it in a ``torchdata.nodes.Loader`` and adds
-ROLL's ``get_batch`` / ``suspend`` / ``resume`` and checkpointing. Suspension is the
-chain's one ``Suspension`` (``nodes/suspension.py``); docs/pausing.md has its rules.
+"""RolloutPipeline: the ready-made chain from one config to ``DataProto`` batches: the chain
+``build_nodes`` wires (``chain.py``) in a ``torchdata.nodes.Loader``, with ROLL's ``get_batch`` /
+``suspend`` / ``resume`` and checkpointing. Suspension is the chain's one ``Suspension``
+(``nodes/suspension.py``); docs/pausing.md has its rules.
 """
 
 from __future__ import annotations
@@ -72,16 +68,22 @@ def _tokenizer_of(tokenizer: Any) -> Any:
 class RolloutPipeline:
     """Iterate it for ``DataProto`` batches; drive it like ROLL's RolloutScheduler.
 
-    >>> with RolloutPipeline(PipelineConfig(), engine, tokenizer) as pipe:
-    ...     batch = pipe.get_batch(16)
-    ...     with pipe.suspended():
-    ...         pipe.update_weights(policy)
-
     ``engine`` is an engine, which belongs to the caller unless ``owns_engine=True``, or
     a zero-argument factory (``functools.partial(VLLMEngine, path)``) called here, whose
     engine the pipeline owns: the form to pass to a Ray actor, since an engine cannot be
     pickled (docs/ray-actor.md). ``tokenizer`` is a tokenizer or a path for
     ``AutoTokenizer.from_pretrained``. ``name`` names the pipeline in messages.
+
+    Examples:
+        >>> import torch; from rollpipe import ScriptedEngine
+        >>> right = lambda: ScriptedEngine(lambda *_: tokenizer.encode("<answer>Right</answer>"))
+        >>> with RolloutPipeline(PipelineConfig(group_size=2, batch_size=4), right, tokenizer) as p:
+        ...     first = p.get_batch()
+        ...     with p.suspended():  # ROLL's suspend, update the weights, resume
+        ...         version = p.update_weights(torch.nn.Linear(2, 2))
+        ...     second = p.get_batch()
+        >>> len(first), version, second.batch["policy_versions"].max().item(), p.engine.closed
+        (4, 1, 1, True)
     """
 
     def __init__(
@@ -200,6 +202,13 @@ class RolloutPipeline:
         and raises ``RuntimeClosedError`` if the pipeline is closed meanwhile. Calls from
         several threads take turns. Each ``get_batch(-1)`` after a finished one starts a
         fresh, identical pass over the same episodes (validation).
+
+        Examples:
+            >>> config = PipelineConfig(group_size=2, num_groups=2, max_turns=1)
+            >>> with RolloutPipeline(config, engine, tokenizer) as pipe:
+            ...     batch = pipe.get_batch(DataProto(meta_info={"global_step": 0}), 4)
+            ...     len(batch), batch.meta_info["global_step"], pipe.get_batch(4)
+            (4, 0, None)
         """
         if isinstance(data, int) and not isinstance(data, bool):
             data, batch_size = None, data
@@ -263,21 +272,46 @@ class RolloutPipeline:
         requests, whose turns are regenerated after resuming; ``keep`` freezes them;
         ``wait`` lets them finish. Already suspended: the same mode is a no-op, another
         raises ``ValueError`` (resume first). Closed: raises ``RuntimeClosedError``.
+
+        Examples:
+            >>> with RolloutPipeline(PipelineConfig(), engine, tokenizer) as pipe:
+            ...     pipe.suspend("keep"); print(engine.is_paused); pipe.resume()
+            True
         """
         self.suspension.suspend(mode, hold=hold)
 
     def resume(self) -> None:
         """End the suspension (held or not); a no-op when running. Closed: raises
-        ``RuntimeClosedError``."""
+        ``RuntimeClosedError``.
+
+        Examples:
+            >>> with RolloutPipeline(PipelineConfig(), engine, tokenizer) as pipe:
+            ...     pipe.suspend(hold=True); pipe.resume(); print(engine.is_paused)
+            False
+        """
         self.suspension.resume()
 
     def suspended(self, mode: PauseMode = DEFAULT_MODE) -> Any:
-        """Context manager: a held suspension for the block (resumed on exit)."""
+        """Context manager: a held suspension for the block (resumed on exit).
+
+        Examples:
+            >>> with RolloutPipeline(PipelineConfig(), engine, tokenizer) as pipe:
+            ...     with pipe.suspended("wait"): print(pipe.suspension.held, engine.is_paused)
+            True True
+        """
         return self.suspension.suspended(mode)
 
     def update_weights(self, weights: WeightsLike, version: int | None = None) -> int:
         """Load ``weights`` into the engine; returns the new version. Closed: raises
-        ``RuntimeClosedError`` and leaves the engine alone."""
+        ``RuntimeClosedError`` and leaves the engine alone.
+
+        Examples:
+            >>> import torch; from rollpipe import ScriptedEngine
+            >>> with RolloutPipeline(PipelineConfig(), lambda: ScriptedEngine(lambda *_: []),
+            ...                      tokenizer) as pipe, pipe.suspended():
+            ...     pipe.update_weights({"w": torch.ones(1)}, version=3), pipe.version
+            (3, 3)
+        """
         return self.suspension.update_weights(weights, version=version)
 
     # -- engines (an EnginePool) ------------------------------------------------------
@@ -304,7 +338,13 @@ class RolloutPipeline:
     def state_dict(self) -> dict[str, Any]:
         """Where the stream stands, as plain data (ints, strings, lists, dicts, tensors):
         ``torch.save`` it and ``torch.load(..., weights_only=True)`` it back. A fresh
-        pipeline loading it yields exactly what this one would have."""
+        pipeline loading it yields exactly what this one would have.
+
+        Examples:
+            >>> with RolloutPipeline(PipelineConfig(), engine, tokenizer) as pipe:
+            ...     sorted(pipe.state_dict())
+            ['batches_granted', 'expired_seen', 'loader', 'signals', 'step']
+        """
         self._iterator()
         return {
             "loader": self._loader.state_dict(),
@@ -329,6 +369,11 @@ class RolloutPipeline:
         for trajectories, or for ``resume()``) wakes at once with ``RuntimeClosedError``;
         a suspended pipeline is resumed (an engine that can no longer resume is ignored);
         an env call in flight is abandoned, not awaited (its thread ends when it returns).
+
+        Examples:
+            >>> pipe = RolloutPipeline(PipelineConfig(), engine, tokenizer)
+            >>> pipe.close(); pipe.close(); pipe.suspension.closed, engine.closed  # not its engine
+            (True, False)
         """
         if self._closed:
             return

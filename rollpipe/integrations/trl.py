@@ -1,8 +1,8 @@
-"""TRL's ``GRPOTrainer`` trained on rollpipe's rollouts: a ``rollout_func`` from a pipeline.
+"""TRL's ``GRPOTrainer`` trained on rollpipe's rollouts: a ``rollout_func`` from a pipeline::
 
->>> args = GRPOConfig("out", num_generations=4, per_device_train_batch_size=8, max_steps=4)
->>> config = PipelineConfig(envs="frozenlake", group_size=4)
->>> GRPOTrainer(path, args=args, **grpo_trainer_kwargs(path, config, args)).train()
+    args = GRPOConfig("out", num_generations=4, per_device_train_batch_size=8, max_steps=4)
+    config = PipelineConfig(envs="frozenlake", group_size=4)
+    GRPOTrainer(path, args=args, **grpo_trainer_kwargs(path, config, args)).train()
 
 ``grpo_trainer_kwargs`` builds an engine and a pipeline for ``path`` and hands the trainer
 its ``rollout_func`` (a ``TRLRollout``), ``reward_funcs`` and ``train_dataset``. Each call
@@ -260,6 +260,17 @@ def grpo_trainer_kwargs(
 
     The engine holds the trainer's final weights when ``train()`` returns, as version
     ``trainer.state.global_step``.
+
+    Examples:
+        >>> from types import SimpleNamespace
+        >>> from rollpipe import ScriptedEngine
+        >>> args = SimpleNamespace(num_generations=2, temperature=1.0, generation_batch_size=8,
+        ...                        gradient_accumulation_steps=1)  # a GRPOConfig's fields
+        >>> kwargs = grpo_trainer_kwargs(model_path, PipelineConfig(group_size=2), args,
+        ...                              engine=lambda: ScriptedEngine(lambda *_: []))
+        >>> sorted(kwargs), len(kwargs["train_dataset"]), kwargs["reward_funcs"]([1.0, 0.0])
+        (['reward_funcs', 'rollout_func', 'train_dataset'], 4, [1.0, 0.0])
+        >>> kwargs["rollout_func"].close()  # train() does it; the engine built here closes too
     """
     check_settings(config, args.num_generations, args.temperature)
     dataset = placeholder_dataset(args)
@@ -284,7 +295,27 @@ def pipeline_rollout(
 ) -> TRLRollout:
     """A ``TRLRollout`` from a pipeline, or from ``config, engine, tokenizer`` (the
     pipeline is built here; close it with ``rollout.close()``). ``options`` go
-    to ``TRLRollout``."""
+    to ``TRLRollout``.
+
+    Examples:
+        TRL calls it with its prompts (placeholders) and the trainer; it returns TRL's fields:
+
+        >>> from types import SimpleNamespace as NS
+        >>> from rollpipe import ScriptedEngine
+        >>> callbacks = []
+        >>> trainer = NS(model=NS(training=True), num_generations=2, temperature=1.0, tools=None,
+        ...              state=NS(global_step=0), callback_handler=NS(callbacks=callbacks),
+        ...              add_callback=callbacks.append)
+        >>> engine = lambda: ScriptedEngine(lambda *_: tokenizer.encode("<answer>Up</answer>"))
+        >>> with pipeline_rollout(PipelineConfig(group_size=2), engine, tokenizer,
+        ...                       sync_weights=False) as rollout:
+        ...     fields = rollout([""] * 4, trainer)
+        >>> sorted(fields)  # TRL's four, then extra fields for its reward functions
+        ['completion_ids', 'end_reason', 'env_mask', 'episode_score', 'logprobs', 'prompt_ids',
+         'rollpipe_metrics', 'traj_uid', 'uid']
+        >>> len(fields["prompt_ids"]), sorted(set(fields["env_mask"][0])), len(callbacks)
+        (4, [0, 1], 1)
+    """
     if isinstance(pipeline_or_config, RolloutPipeline):
         if engine is not None or tokenizer is not None:
             raise ValueError(

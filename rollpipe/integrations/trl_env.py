@@ -14,9 +14,10 @@ rollout), ``reset(**row)`` with the source's dataset row (``PipelineConfig(datas
 without one ``reset()``), the prompt from ``row["prompt"]`` plus the observation, the
 instance's methods as the episode's tools (run by ``ToolRunner``), and ``get_reward()``
 as the reward when the model answers without a tool call or runs out of tool turns.
+Register it as an env (``CounterEnv`` being such a class)::
 
->>> from rollpipe.envs import register
->>> register("counter", lambda: TRLEnv(CounterEnv))
+    from rollpipe.envs import register
+    register("counter", lambda: TRLEnv(CounterEnv))
 """
 
 from __future__ import annotations
@@ -82,6 +83,33 @@ class TRLEnv:
             ``get_reward`` as TRL scores a rollout cut at ``max_tool_calling_iterations``).
         tool_timeout_s: limit of one tool call (None: none).
         max_threads: worker threads for blocking tools.
+
+    Examples:
+        >>> import asyncio
+        >>> from rollpipe.agent.actions import ToolCall
+        >>> class Counter:  # for TRL's environment_factory: its public methods are the tools
+        ...     def reset(self, **row):
+        ...         self.count = 0
+        ...         return " Count to 2."
+        ...     def increment(self, step: int) -> int:
+        ...         '''Add to the counter.
+        ...
+        ...         Args:
+        ...             step: how much to add
+        ...         '''
+        ...         self.count += step
+        ...         return self.count
+        ...     def get_reward(self) -> float:
+        ...         return float(self.count == 2)
+        >>> env = TRLEnv(Counter)
+        >>> env.reset(seed=0, row={"prompt": "Hi."}), env.tools.names  # TRL's reset(**row)
+        (('Hi. Count to 2.', {'success': False}), ('increment',))
+        >>> call = ToolCall.from_json("call_0", "increment", '{"step": 2}')
+        >>> asyncio.run(env.step(AssistantAction("", "", [call])))[0][0]["content"]
+        '2'
+        >>> asyncio.run(env.step(AssistantAction.plain("Done.")))[:3]  # answered: get_reward()
+        ('', 1.0, True)
+        >>> env.close()
     """
 
     step_input: ClassVar[Literal["action"]] = "action"

@@ -43,6 +43,14 @@ class TrajectoryBatch:
     ``wall_time_s`` is how long the consumer waited since the previous batch (small when
     the next batch was already complete); ``stream_time_s`` and ``stream_tokens`` count
     from the start of the stream, so their ratio is the sustained generation rate.
+
+    Examples:
+        >>> from rollpipe.agent.records import EpisodeSpec
+        >>> def traj(group, episode):  # no turns: its first prompt was too long
+        ...     return Trajectory(EpisodeSpec(group, episode, 0), 0, [], 0, False, "max_length")
+        >>> item = TrajectoryBatch((Group(0, [traj(0, 0), traj(0, 1)]),), drops={"stale": 1})
+        >>> len(item), [t.traj_id for t in item.trajectories], item.drops
+        (2, ['frozenlake/g0/e0', 'frozenlake/g0/e1'], {'stale': 1})
     """
 
     groups: tuple[Group, ...]
@@ -77,6 +85,21 @@ class Batch(BaseNode[TrajectoryBatch]):
             which groups the trainer consumed (``retire``).
         wait: wait for the groups about to go stale and take the oldest first (see the
             module doc); needs ``max_staleness`` and ``signals``.
+
+    Examples:
+        >>> from torchdata.nodes import IterableWrapper
+        >>> from rollpipe.agent.records import EpisodeSpec
+        >>> def traj(group, episode):
+        ...     return Trajectory(EpisodeSpec(group, episode, 0), 0, [], 0, False, "max_length")
+        >>> groups = [Group(g, [traj(g, 2 * g), traj(g, 2 * g + 1)]) for g in range(3)]
+        >>> [len(b) for b in Batch(IterableWrapper(groups), 4)]  # the last one is smaller
+        [4, 2]
+        >>> [len(b) for b in Batch(IterableWrapper(groups), 4, drop_last=True)]
+        [4]
+        >>> node = Batch(IterableWrapper(groups), 4)
+        >>> node.reset(); node.request(2)  # the next batch only, as get_batch(2) does
+        >>> [len(b) for b in node]
+        [2, 4]
     """
 
     def __init__(

@@ -36,6 +36,14 @@ class CollateSettings:
     multiple (at most ``MAX_PAD_MULTIPLE``; None: the longest row). ``layout``:
     ``"native"`` rows, ``"roll"`` (``DataProto.to_roll()``) or ``"verl"`` (``to_verl()``,
     needs verl), converted once per batch.
+
+    Examples:
+        >>> CollateSettings(level="step", pad_to_multiple_of=8).layout
+        'native'
+        >>> CollateSettings(level="turn")
+        Traceback (most recent call last):
+        ...
+        ValueError: ...level...
     """
 
     level: Level = attrs.field(default="trajectory", validator=one_of("trajectory", "step"))
@@ -65,6 +73,20 @@ class Collate(BaseNode[DataProto]):
     most recent ``MAX_ERRORS_KEPT`` per group; ``dropped/errored_trajectories`` counts
     them all) to ``meta_info["env_errors"]``: dicts with ``env``, ``tag``, ``seed``,
     ``group_id``, ``episode_id``, ``turn`` and ``message`` (the exception and where).
+
+    Examples:
+        >>> from torchdata.nodes import IterableWrapper
+        >>> from rollpipe.agent.records import EpisodeSpec, Turn
+        >>> def traj(episode, response):  # one turn: 3 prompt ids, then the response
+        ...     n = len(response)
+        ...     turn = Turn([7, 8, 9], response, [-0.5] * n, [0] * n, 1.0, "stop", True, "", "")
+        ...     return Trajectory(EpisodeSpec(0, episode, 0), 0, [turn], 1.0, True, "terminated")
+        >>> group = Group(0, [traj(0, [4, 2]), traj(1, [5])])
+        >>> rows = next(Collate(IterableWrapper([group]), pad_token_id=0))
+        >>> rows.batch["input_ids"].tolist()  # padded once, to the longest row
+        [[7, 8, 9, 4, 2], [7, 8, 9, 5, 0]]
+        >>> rows.batch["response_mask"].int().tolist(), rows.meta_info["metrics"]["trajectories"]
+        ([[0, 0, 0, 1, 1], [0, 0, 0, 1, 0]], 2.0)
     """
 
     def __init__(

@@ -95,6 +95,19 @@ class DatasetSettings:
     ``rows``: see the module doc. ``shuffle``: a fresh seeded permutation per epoch
     (False: file order). ``epochs``: passes over the rows (None: endless); the source stops
     after them unless ``num_groups`` stops it first.
+
+    Examples:
+        >>> rows = [{"question": "1+1"}, {"question": "2+3"}, {"question": "4+4"}]
+        >>> settings = DatasetSettings(rows=rows, epochs=2)
+        >>> settings.num_rows, settings.num_groups, settings.shuffle
+        (3, 6, True)
+        >>> order = RowOrder(DatasetSettings.validation(rows), seed=0)  # in order, one pass
+        >>> [order.row(group) for group in (0, 2, 3)]
+        [(0, {'question': '1+1'}), (2, {'question': '4+4'}), None]
+        >>> DatasetSettings(rows=iter(rows))
+        Traceback (most recent call last):
+        ...
+        ValueError: DatasetSettings.shuffle=True needs rows with len() and indexing, ...
     """
 
     rows: Any = attrs.field(converter=_rows, hash=False)

@@ -34,7 +34,15 @@ MAX_SEED = 2**63 - 1
 
 @attrs.frozen
 class EnvChoice:
-    """One kind of environment in a mix: registry name, config, mixing weight and tag."""
+    """One kind of environment in a mix: registry name, config, mixing weight and tag.
+
+    Examples:
+        >>> mix = [EnvChoice("frozenlake", {"size": 3}, weight=3), EnvChoice("sokoban", tag="box")]
+        >>> [choice.label for choice in mix]
+        ['frozenlake', 'box']
+        >>> [spec.tag for spec in EpisodeSource(num_groups=6, group_size=1, envs=mix)]  # seeded
+        ['frozenlake', 'frozenlake', 'box', 'frozenlake', 'box', 'frozenlake']
+    """
 
     name: str
     config: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
@@ -114,6 +122,16 @@ class SourceSettings:
     ``seed``: the one seed every episode derives from. ``dataset``: draw each group's
     row from a :class:`~rollpipe.nodes.dataset.DatasetSettings` (or its rows, or a dict
     of its fields); the env's ``reset(seed, row=...)`` receives the row.
+
+    Examples:
+        >>> settings = SourceSettings(envs=[{"name": "frozenlake", "config": {"size": 3}}],
+        ...                           group_size=2, num_groups=8)
+        >>> settings.envs[0].config, settings.group_size, settings.redundancy
+        ({'size': 3}, 2, 0)
+        >>> SourceSettings(envs="frozenlak")
+        Traceback (most recent call last):
+        ...
+        ValueError: SourceSettings.envs: ...
     """
 
     envs: tuple[EnvChoice, ...] = attrs.field(default=("frozenlake",), converter=_envs)
@@ -158,6 +176,18 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
             dropping the ones that go stale.
         dataset: draw group ``g``'s row from it (see ``rollpipe.nodes.dataset``); the
             source ends after its epochs, or after ``num_groups`` if that comes first.
+
+    Examples:
+        >>> specs = list(EpisodeSource(num_groups=2, group_size=2, seed=7))
+        >>> [(spec.group_id, spec.episode_id) for spec in specs]
+        [(0, 0), (0, 1), (1, 2), (1, 3)]
+        >>> specs[0].seed == specs[1].seed != specs[2].seed  # a group's members share it
+        True
+        >>> signals = UpstreamSignals()
+        >>> metered = EpisodeSource(None, 2, signals=signals, metered=True)
+        >>> signals.grant_groups(1)
+        >>> [spec.episode_id for spec in metered]  # the granted group, then no more
+        [0, 1]
     """
 
     def __init__(

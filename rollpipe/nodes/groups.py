@@ -70,6 +70,14 @@ class GroupSettings:
     gives up early (``rollpipe.nodes.error_runs``); ``max_error_seconds``: how long an env
     tag may give only errors (at least ``TIMED_MIN_ERRORS``) before it gives up (None: no
     time limit). Neither counts filtered, stale or empty groups.
+
+    Examples:
+        >>> GroupSettings(drop_group="zero_variance", max_error_seconds=None).drop_group
+        'zero_variance'
+        >>> GroupSettings(keep_group="no_such_rule")
+        Traceback (most recent call last):
+        ...
+        ValueError: ...no_such_rule...
     """
 
     keep_group: str | GroupRule | None = attrs.field(default=None, validator=check_group_rule)
@@ -120,6 +128,17 @@ class GroupAssembler(BaseNode[Group]):
 
     Memory stays bounded on an endless stream: a closed group's id is forgotten once the
     Rollout reports (``signals.settled_below``) that no member of it can arrive any more.
+
+    Examples:
+        >>> from torchdata.nodes import IterableWrapper
+        >>> from rollpipe.agent.records import EpisodeSpec, Turn
+        >>> turn = Turn([1, 2], [3], [-0.5], [0], 0.0, "stop", True, "Left", "")
+        >>> def traj(group, episode, score):
+        ...     return Trajectory(EpisodeSpec(group, episode, 0), 0, [turn], score, 1, "max_turns")
+        >>> arrivals = [traj(0, 0, 1.0), traj(1, 2, 0.0), traj(1, 3, 0.0), traj(0, 1, 0.0)]
+        >>> node = GroupAssembler(IterableWrapper(arrivals), 2, drop_group="zero_variance")
+        >>> [(group.group_id, group.drops) for group in node]  # group 1 scored 0 twice
+        [(0, {'wasted_tokens': 2, 'filtered': 1})]
     """
 
     def __init__(

@@ -25,6 +25,18 @@ class Pausable(BaseNode[T]):
 
     A wait on a held suspension runs on the engine's runtime (through this node's scope),
     so closing the node, the pipeline or the engine ends it at once with an error.
+
+    Examples:
+        >>> from torchdata.nodes import IterableWrapper
+        >>> from rollpipe import ScriptedEngine
+        >>> with ScriptedEngine(lambda *_: []) as scripted:
+        ...     suspension = Suspension(scripted)
+        ...     node = Pausable(IterableWrapper([1, 2, 3]), suspension)
+        ...     first = next(node)
+        ...     suspension.suspend()  # not held: the next item asked for resumes it
+        ...     print(first, scripted.is_paused, next(node), scripted.is_paused)
+        ...     node.close()
+        1 True 2 False
     """
 
     def __init__(self, source: BaseNode[T], suspension: Suspension) -> None:

@@ -1,23 +1,20 @@
 """Rollout: many episodes at once, every live request in flight together.
 
-Each episode is a coroutine (``rollpipe.agent.episode.run_episode``). Up to
-``concurrency`` run on the engine's runtime (``engine.runtime``), so all of their engine
-requests reach the engine together and its continuous batching does the batching: no
-lockstep turns, and a long episode never holds back the others. Between two engine
-steps, the episodes whose turn just ended submit their next request, which joins the
-very next step: no thread hop. Env calls that may block run on env threads
-(``EnvThreads``), each limited to ``env_timeout_s``; envs declaring ``blocking = False``
+Each episode is a coroutine (``rollpipe.agent.episode.run_episode``). Up to ``concurrency`` run on
+the engine's runtime (``engine.runtime``), so all of their engine requests reach the engine
+together and its continuous batching does the batching: no lockstep turns, and a long episode never
+holds back the others. Between two engine steps, the episodes whose turn just ended submit their
+next request, which joins the very next step: no thread hop. Env calls that may block run on env
+threads (``EnvThreads``), each limited to ``env_timeout_s``; envs declaring ``blocking = False``
 run inline on the loop (unless ``env_workers > 0`` asks for threads for every env).
 
-The upstream node is pulled on a thread of its own, never on the loop, so a slow or
-blocking node before the rollout does not stall generation. Collection continues in the
-background between ``next()`` calls — while the trainer computes — up to
-``max_buffered`` finished trajectories; the admission gate (``UpstreamSignals``) stops
-it. With ``in_order=True`` (as torchdata's ``ParallelMapper``) trajectories come out in
-admission order, which makes runs and checkpoint restores reproducible;
-``in_order=False`` yields them as they finish. A checkpoint records the specs admitted
-but not yet yielded (as plain data); a restore re-runs them from their derived seeds.
-Settings: :class:`RolloutSettings` and :class:`~rollpipe.agent.episode.EpisodeSettings`.
+The upstream node is pulled on a thread of its own, never on the loop, so a slow or blocking node
+before the rollout does not stall generation. Collection continues in the background between
+``next()`` calls — while the trainer computes — up to ``max_buffered`` finished trajectories; the
+admission gate (``UpstreamSignals``) stops it. With ``in_order=True`` (as torchdata's
+``ParallelMapper``) trajectories come out in admission order, so runs and checkpoint restores are
+reproducible; ``in_order=False`` yields them as they finish. A checkpoint records the specs
+admitted but not yet yielded (as plain data); a restore re-runs them from their derived seeds.
 """
 
 from __future__ import annotations
@@ -58,12 +55,16 @@ class RolloutSettings:
     """How many episodes run at once and where their envs run (``PipelineConfig.rollout``).
 
     ``concurrency``: episodes in flight at once (at most ``MAX_CONCURRENCY``).
-    ``env_workers``: threads for env calls, used by every ``TextEnv``; 0: one per episode
-    in flight, for envs that may block only (``blocking = False`` envs run inline).
-    ``env_backend``: ``"local"`` (envs in this process) or ``"ray"`` (each env slot's env
-    in a Ray actor, ``rollpipe.envs.ray_env``). ``in_order``: yield in admission order
-    (reproducible) or completion order; None (auto) is admission order here, and
-    ``PipelineConfig.admission_order`` resolves it for the standard chain.
+    ``env_workers``: threads for env calls, used by every ``TextEnv``; 0: one per episode in
+    flight, for envs that may block only (``blocking = False`` envs run inline).
+    ``env_backend``: ``"local"`` (envs in this process) or ``"ray"`` (each env slot's env in a
+    Ray actor, ``rollpipe.envs.ray_env``). ``in_order``: yield in admission order (reproducible)
+    or completion order; None (auto): admission order here, resolved by
+    ``PipelineConfig.admission_order`` in the standard chain.
+
+    Examples:
+        >>> RolloutSettings(concurrency=8)
+        RolloutSettings(concurrency=8, env_workers=0, env_backend='local', in_order=None)
     """
 
     concurrency: int = attrs.field(default=32, validator=int_in(1, MAX_CONCURRENCY))
@@ -89,6 +90,12 @@ class Rollout(BaseNode[Trajectory]):
         max_buffered: finished trajectories held, not yet yielded, before admission
             pauses (default ``4 * concurrency``).
         signals: shared :class:`UpstreamSignals` (admission gate, cancelled groups).
+
+    Examples:
+        >>> from rollpipe import EpisodeSource
+        >>> with contextlib.closing(Rollout(EpisodeSource(2, 2), engine, tokenizer)) as node:
+        ...     [trajectory.traj_id for trajectory in node]  # in admission order
+        ['frozenlake/g0/e0', 'frozenlake/g0/e1', 'frozenlake/g1/e2', 'frozenlake/g1/e3']
     """
 
     def __init__(
@@ -208,13 +215,10 @@ class Rollout(BaseNode[Trajectory]):
             self._admit(self._requeue.popleft())
 
     async def _pull(self, n: int) -> None:
-        """Pull up to ``n`` specs from the source on its thread, admitting each as it comes.
-
-        One job on the source thread pulls them one after another (a ``Feed``), so a
-        wave of specs arrives between two engine steps instead of one spec per step,
-        without a thread hop per spec; a pull that blocks holds back only the specs after
-        it. The wave ends early when the source runs dry.
-        """
+        """Pull up to ``n`` specs on the source thread, admitting each as it comes: one job
+        pulls them one after another (a ``Feed``), so a wave of specs arrives between two
+        engine steps, not one per step and with no thread hop per spec; a pull that blocks
+        holds back only the specs after it. The wave ends early when the source runs dry."""
         feed = Feed(self._source_thread, self._pull_one, n, last=lambda p: p[0] is None)
         try:
             while (pulled := await feed.next()) is not None:
@@ -231,9 +235,7 @@ class Rollout(BaseNode[Trajectory]):
             feed.stop()  # a reset or close stopped the driver: no more pulls
 
     def _pull_one(self) -> tuple[EpisodeSpec | None, dict[str, Any] | None, int]:
-        """Source thread: the next spec, the source's state after it, and how many groups
-        had been requested before the pull (a source that stops is pulled again only
-        once more are requested)."""
+        """Source thread: the next spec, the source's state after it, ``requests_made`` before."""
         requests_made = self.signals.requests_made
         try:
             spec = next(self.source)
@@ -368,12 +370,10 @@ class Rollout(BaseNode[Trajectory]):
         self._live.clear()
 
     def close(self) -> None:
-        """Stop the episodes and threads and close the envs; idempotent, prompt.
-
-        A thread waiting in ``next()`` wakes at once with ``RuntimeClosedError``. The
-        episodes are cancelled on the loop (waiting at most ``CLOSE_WAIT_S``: an env call
-        blocking the loop is abandoned, not awaited); the threads end once idle.
-        """
+        """Stop the episodes and threads and close the envs; idempotent, prompt: a thread
+        waiting in ``next()`` wakes at once with ``RuntimeClosedError``, the episodes are
+        cancelled on the loop (waiting at most ``CLOSE_WAIT_S``: an env call blocking the loop
+        is abandoned, not awaited), and the threads end once idle."""
         if self._closed:
             return
         self._closed = True

@@ -28,6 +28,18 @@ class UpstreamSignals:
 
     Admission is ``suspension``'s (the pipeline's one ``Suspension``; a fresh one, with
     no engine, when none is given): its changes reach these signals' listeners too.
+
+    Examples:
+        >>> signals = UpstreamSignals()
+        >>> changes = []
+        >>> signals.add_listener(lambda: changes.append(1))
+        >>> signals.cancel_group(3); signals.request_groups(2); signals.grant_groups(4, step=1)
+        >>> signals.is_cancelled(3), signals.take_replacements(), signals.take_grants()
+        (True, 2, [(4, 1)])
+        >>> signals.suspension.suspend(); print(signals.is_open, len(changes))
+        False 4
+        >>> signals.suspension.resume(); signals.is_open
+        True
     """
 
     def __init__(self, suspension: Suspension | None = None) -> None:

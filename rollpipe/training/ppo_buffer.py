@@ -64,6 +64,18 @@ class RolloutBuffer:
     ``sample_log_prob``/``value``/``reward``/``final_value`` float32 ``[N, T+1]``,
     ``done``/``terminated``/``truncated`` bool ``[N, T+1]``. Discrete actions are stored as
     float32 indices with ``action_dim=1``.
+
+    Examples:
+        >>> buffer = RolloutBuffer(num_envs=2, rollout_len=3, obs_dim=4, action_dim=1)
+        >>> rollout = buffer.start_rollout()
+        >>> for t in range(3):
+        ...     buffer.write(t, obs=torch.randn(2, 4), reward=torch.ones(2), value=torch.zeros(2))
+        >>> buffer.write(3, obs=torch.randn(2, 4), value=torch.zeros(2))  # final obs, bootstrap
+        >>> buffer.add(rollout); buffer.state
+        'ready'
+        >>> batch = buffer.get()  # consumed: flat transitions, next_value attached
+        >>> batch.batch_size, batch["next_value"].shape, buffer.state
+        (torch.Size([6]), torch.Size([6]), 'idle')
     """
 
     def __init__(
