@@ -256,12 +256,24 @@ class RolloutPipeline:
     # -- weights ----------------------------------------------------------------------
     @property
     def version(self) -> int:
-        """The engine's current policy version."""
+        """The engine's current policy version.
+
+        Examples:
+            >>> with RolloutPipeline(PipelineConfig(), engine, tokenizer) as pipe:
+            ...     pipe.version == engine.version
+            True
+        """
         return self.engine.version
 
     @property
     def suspension(self) -> Suspension:
-        """The pipeline's one ``Suspension``: ``state``, ``mode``, ``held``, ``asked_by``."""
+        """The pipeline's one ``Suspension``: ``state``, ``mode``, ``held``, ``asked_by``.
+
+        Examples:
+            >>> with RolloutPipeline(PipelineConfig(), engine, tokenizer) as pipe:
+            ...     pipe.suspension.state, pipe.suspension.held
+            ('running', False)
+        """
         return self.nodes.suspension
 
     def suspend(self, mode: PauseMode = DEFAULT_MODE, *, hold: bool = False) -> None:
@@ -318,12 +330,28 @@ class RolloutPipeline:
     def shrink_sampler(self, target_gpus: Iterable[int]) -> dict[str, Any]:
         """ROLL's name: take the pool's ranks on ``target_gpus`` out of generation (their
         requests are re-sent to the ranks that stay); see ``EnginePool.shrink``. Callable
-        while ``get_batch`` blocks in another thread."""
+        while ``get_batch`` blocks in another thread.
+
+        Examples:
+            >>> from rollpipe import ScriptedEngine
+            >>> pool = lambda: EnginePool(lambda rank: ScriptedEngine(lambda *_: []), 2)
+            >>> with RolloutPipeline(PipelineConfig(), pool, tokenizer) as pipe:
+            ...     pipe.shrink_sampler([1])["offload_ranks"], pipe.engine.active_ranks
+            ([1], [0])
+        """
         return self._pool("shrink_sampler").shrink(target_gpus)
 
     def expand_sampler(self, target_gpus: Iterable[int], skip_load: bool = False) -> dict[str, Any]:
         """ROLL's name: bring the pool's ranks within ``target_gpus`` back, with the current
-        weights (``skip_load``: checked to be current already); see ``EnginePool.expand``."""
+        weights (``skip_load``: checked to be current already); see ``EnginePool.expand``.
+
+        Examples:
+            >>> from rollpipe import ScriptedEngine
+            >>> pool = lambda: EnginePool(lambda rank: ScriptedEngine(lambda *_: []), 2)
+            >>> with RolloutPipeline(PipelineConfig(), pool, tokenizer) as pipe:
+            ...     _ = pipe.shrink_sampler([1]); pipe.expand_sampler([1])["load_ranks"]
+            [1]
+        """
         return self._pool("expand_sampler").expand(target_gpus, skip_load=skip_load)
 
     def _pool(self, what: str) -> EnginePool:
@@ -355,6 +383,16 @@ class RolloutPipeline:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Go on from a ``state_dict()``, on a fresh pipeline of the same config.
+
+        Examples:
+            >>> config = PipelineConfig(group_size=2, batch_size=2, num_groups=2, max_turns=1)
+            >>> with RolloutPipeline(config, engine, tokenizer) as pipe:
+            ...     _, state = pipe.get_batch(), pipe.state_dict()
+            >>> with RolloutPipeline(config, engine, tokenizer) as fresh:
+            ...     fresh.load_state_dict(state); fresh.get_batch().batch["traj_id"].tolist()
+            [2, 3]
+        """
         self.nodes.signals.load_state(state["signals"])
         self._batches_granted = int(state["batches_granted"])
         self._step, self._expired_seen = int(state["step"]), int(state["expired_seen"])
@@ -386,7 +424,13 @@ class RolloutPipeline:
                 self.engine.close()
 
     def shutdown(self) -> None:
-        """ROLL's name for ``close()``."""
+        """ROLL's name for ``close()``.
+
+        Examples:
+            >>> pipe = RolloutPipeline(PipelineConfig(), engine, tokenizer)
+            >>> pipe.shutdown(); pipe.suspension.state
+            'closed'
+        """
         self.close()
 
     def __enter__(self) -> RolloutPipeline:

@@ -14,13 +14,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollpipe.agent.chat import ChatFormat
+from rollpipe.agent.conversation import stopping_at_end_of_turn
 from rollpipe.agent.engine_request import generate_turn
 from rollpipe.agent.env_caller import Clock
 from rollpipe.agent.env_returns import EnvReturnError, check_step
-from rollpipe.agent.episode import EpisodeSettings, _episode_sampling, run_episode
+from rollpipe.agent.episode import EpisodeSettings, run_episode
 from rollpipe.agent.records import EpisodeSpec, Group, Trajectory, Turn
 from rollpipe.engines import SamplingParams, ScriptedEngine
-from rollpipe.engines.routing import Session, current_session
+from rollpipe.engines.routing import Route, current_route
 
 
 class _Info(dict):  # type: ignore[type-arg]
@@ -101,10 +102,10 @@ def test_an_env_method_replaced_mid_episode_is_called_as_what_it_is_now(tokenize
 
 
 def test_every_request_of_an_episode_is_made_in_its_session(tokenizer) -> None:
-    seen: list[Session | None] = []
+    seen: list[Route | None] = []
 
     def policy(prompt: Any, params: SamplingParams) -> list[int]:
-        seen.append(current_session())
+        seen.append(current_route())
         return [5, 6]
 
     class Chat(_Steps):
@@ -118,15 +119,15 @@ def test_every_request_of_an_episode_is_made_in_its_session(tokenizer) -> None:
         assert engine.runtime.submit(_no_session()).result(30) is None  # and left after
 
         # a caller outside any session (the front door): generate_turn enters it itself
-        session = Session("door")
+        session = Route("door")
         params = SamplingParams(max_tokens=2)
         one = generate_turn(engine, [1, 2], params, None, 0, Clock(), session)
         gen = engine.runtime.submit(one).result(30)
         assert gen.token_ids == (5, 6) and seen[-1] is session
 
 
-async def _no_session() -> Session | None:
-    return current_session()
+async def _no_session() -> Route | None:
+    return current_route()
 
 
 def _turn(versions: tuple[int, ...]) -> Turn:
@@ -247,13 +248,13 @@ def test_an_episodes_sampling_is_made_once_and_is_what_replace_gives(
 ) -> None:
     base = SamplingParams(max_tokens=5, stop_token_ids=stops, ignore_eos=ignore_eos)
     expected = list(stops) if eot is None or eot in stops or ignore_eos else [*stops, eot]
-    first = _episode_sampling(base, eot)
+    first = stopping_at_end_of_turn(base, eot)
     assert first == base.replace(stop_token_ids=expected)
-    assert _episode_sampling(base, eot) is first  # cached for the run
+    assert stopping_at_end_of_turn(base, eot) is first  # cached for the run
     twin = SamplingParams(max_tokens=5, stop_token_ids=stops, ignore_eos=ignore_eos)
-    assert _episode_sampling(twin, eot) == first  # another settings object: its own entry
+    assert stopping_at_end_of_turn(twin, eot) == first  # another settings object: its own entry
     other = 10 if eot is None else None
-    assert _episode_sampling(base, other) == base.replace(
+    assert stopping_at_end_of_turn(base, other) == base.replace(
         stop_token_ids=list(stops) if other is None or ignore_eos else [*stops, 10]
     )
 

@@ -51,7 +51,7 @@ from rollpipe.agent.tools import ToolSet
 from rollpipe.engines.inputs import CheckedIds
 from rollpipe.engines.protocol import Engine, OnTokens
 from rollpipe.engines.records import Generation, SamplingParams
-from rollpipe.engines.routing import Session
+from rollpipe.engines.routing import Route
 
 __all__ = ["ChatConversation", "ChatPrompt", "Conversation", "TextConversation"]
 
@@ -100,14 +100,14 @@ class Conversation:
         chat: ChatFormat,
         sampling: SamplingParams,
         clock: Clock | None = None,
-        route: Session | None = None,
+        route: Route | None = None,
     ) -> None:
         self.spec, self.chat = spec, chat
         self.base_sampling = sampling
         self.sampling = stopping_at_end_of_turn(sampling, chat.eot_id)
         self.clock = Clock() if clock is None else clock
         # an engine pool keeps the conversation's requests on one rank
-        self.route = Session(spec.episode_id) if route is None else route
+        self.route = Route(spec.episode_id) if route is None else route
         self.turns: list[Turn] = []
         self.context = CheckedIds()  # the current row's ids so far
         self.windowed = chat.history_window is not None  # each prompt rendered afresh
@@ -261,7 +261,7 @@ class ChatConversation(Conversation):
         chat: ChatFormat,
         sampling: SamplingParams,
         clock: Clock | None = None,
-        route: Session | None = None,
+        route: Route | None = None,
         *,
         tools: ToolSet | None = None,
         system: bool = True,

@@ -22,7 +22,7 @@ from rollpipe.agent.env_caller import Clock
 from rollpipe.agent.generation_timeout import answer_within
 from rollpipe.engines.protocol import Engine, OnTokens
 from rollpipe.engines.records import EngineError, Generation, SamplingParams
-from rollpipe.engines.routing import Session, current_session, in_session
+from rollpipe.engines.routing import Route, current_route, in_route
 
 __all__ = ["generate_turn"]
 
@@ -34,7 +34,7 @@ async def generate_turn(
     admit: Callable[[], Awaitable[None]] | None,
     max_aborts: int,
     clock: Clock,
-    session: Session,
+    session: Route,
     limit: float | None = None,
     on_tokens: OnTokens = None,
 ) -> Generation:
@@ -51,10 +51,10 @@ async def generate_turn(
         if admit is not None:
             await admit()
         start = time.perf_counter()
-        if current_session() is session:  # the caller's task runs in it already
+        if current_route() is session:  # the caller's task runs in it already
             gen = await _request(engine, prompt, params, limit, on_tokens)
         else:
-            with in_session(session):  # an engine pool keeps the episode on one rank
+            with in_route(session):  # an engine pool keeps the episode on one rank
                 gen = await _request(engine, prompt, params, limit, on_tokens)
         clock.engine += time.perf_counter() - start
         if gen.finish_reason != "abort":

@@ -65,7 +65,7 @@ from rollpipe.agent.records import EndReason, EpisodeSpec, Trajectory
 from rollpipe.agent.tools import tool_set
 from rollpipe.engines.protocol import Engine
 from rollpipe.engines.records import SamplingParams
-from rollpipe.engines.routing import Session, in_session
+from rollpipe.engines.routing import Route, in_route
 
 OnLength = Literal["step", "skip", "end"]
 ON_LENGTH: tuple[str, ...] = ("step", "skip", "end")
@@ -185,7 +185,7 @@ def _conversation(
     observation: Any,
     sampling: SamplingParams,
     clock: Clock,
-    route: Session,
+    route: Route,
 ) -> Conversation:
     """A chat conversation for a chat env (tools, message observations or structured
     actions), else a text one: text envs keep the text path exactly."""
@@ -263,7 +263,7 @@ async def run_episode(
             clock.clipped_rewards += clipped
         return check_step(env, result)
 
-    route = Session(spec.episode_id)
+    route = Route(spec.episode_id)
     conv: Conversation = TextConversation(spec, chat, s.sampling, clock, route)  # until reset
     end_reason: EndReason = "max_turns"
     error: str | None = None
@@ -273,7 +273,7 @@ async def run_episode(
     metrics: list[dict[str, float]] = []  # each env step's info["metrics"]
     agg_modes: dict[str, str] = {}  # the latest aggregation mode named for each metric
 
-    with in_session(route):  # every request of the episode: a pool keeps it on one rank
+    with in_route(route):  # every request of the episode: a pool keeps it on one rank
         try:
             reset = functools.partial(check_reset, env)
             row = {} if spec.row_index is None else {"row": spec.row}  # a dataset's group

@@ -42,7 +42,7 @@ from rollpipe.engines.pool_control import PoolControl
 from rollpipe.engines.pool_ranks import Rank, RankTable, pool_devices
 from rollpipe.engines.protocol import Engine, OnTokens, engine_supports
 from rollpipe.engines.records import EngineClosedError, EngineError, Generation, SamplingParams
-from rollpipe.engines.routing import RankLoad, Router, Session, current_session, make_router
+from rollpipe.engines.routing import RankLoad, Route, Router, current_route, make_router
 from rollpipe.engines.state import EngineState, EngineStateView
 from rollpipe.runtime import Runtime
 
@@ -281,7 +281,7 @@ class EnginePool(PoolControl, EngineStateView):
         """
         prompt = check_prompt(prompt_ids)  # each rank checks the ids against its vocabulary
         self._state.check_open()
-        session = current_session()  # read in the caller's task, before any hop
+        session = current_route()  # read in the caller's task, before any hop
         return await self._scope.run(self._generate(prompt, params, session, on_tokens))
 
     def generate_batch(
@@ -307,7 +307,7 @@ class EnginePool(PoolControl, EngineStateView):
         self,
         prompt: list[int],
         params: SamplingParams,
-        session: Session | None,
+        session: Route | None,
         on_tokens: OnTokens = None,
     ) -> Generation:
         cost = len(prompt) + params.max_tokens

@@ -19,7 +19,7 @@ import attrs
 
 from rollpipe.engines.protocol import Engine
 from rollpipe.engines.records import EngineClosedError, EngineError
-from rollpipe.engines.routing import RankLoad, Router, Session
+from rollpipe.engines.routing import RankLoad, Route, Router
 from rollpipe.engines.state import EngineState
 
 __all__ = [
@@ -43,7 +43,7 @@ class Rank:
     requests: int = 0  # in flight through the pool
     tokens: int = 0  # prompt + max_tokens of those requests
     resent: int = 0  # its requests re-sent elsewhere since it last left the pool
-    sessions: weakref.WeakSet[Session] = attrs.field(factory=weakref.WeakSet)
+    sessions: weakref.WeakSet[Route] = attrs.field(factory=weakref.WeakSet)
     error: BaseException | None = None  # why it left the pool, if it failed
 
     def describe(self) -> str:
@@ -150,7 +150,7 @@ class RankTable:
             return [r.engine for r in self.ranks if r.active and r.engine is not None]
 
     # -- requests ------------------------------------------------------------------------
-    def pick(self, session: Session | None, cost: int) -> tuple[Rank, Engine]:
+    def pick(self, session: Route | None, cost: int) -> tuple[Rank, Engine]:
         """Route one request (``cost``: its prompt + max_tokens) and count it in flight."""
         with self.lock:
             if self.closed:

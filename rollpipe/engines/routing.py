@@ -1,11 +1,13 @@
-"""Routing requests across an engine pool: sessions, loads and routers.
+"""Routing requests across an engine pool: routes, loads and routers.
 
-A *session* is one conversation (an episode): ``run_episode`` makes every request of an
-episode inside ``in_session(Session(episode_id))``, so a pool can keep the episode on the
-rank that already holds its prefix in its KV cache, as ROLL's env-affinity routing does.
-The session rides a ``ContextVar``: engines that do not route never see it, and the
-``Engine`` protocol is unchanged. A session remembers its own rank, so the pool keeps no
-table that grows with the number of episodes.
+A :class:`Route` is one conversation's routing key (an episode's, or a front-door
+session's): ``run_episode`` makes every request of an episode inside
+``in_route(Route(episode_id))``, so a pool can keep the episode on the rank that already
+holds its prefix in its KV cache, as ROLL's env-affinity routing does. The route rides a
+``ContextVar``: engines that do not route never see it, and the ``Engine`` protocol is
+unchanged. A route remembers its own rank, so the pool keeps no table that grows with
+the number of episodes. (It was named ``Session`` before; "session" now means only the
+front door's ``AgentSession``.)
 
 A router picks a rank for a request from the active ranks' loads. Built in:
 ``least_requests`` and ``least_tokens`` (sticky: a session stays on its rank; a new one
@@ -28,16 +30,16 @@ __all__ = [
     "LeastLoaded",
     "RandomRouter",
     "RankLoad",
+    "Route",
     "Router",
-    "Session",
-    "current_session",
-    "in_session",
+    "current_route",
+    "in_route",
     "make_router",
 ]
 
 
 @attrs.define(eq=False)
-class Session:
+class Route:
     """One conversation whose requests should stay on one rank; ``rank`` is where it is
     routed now (None: not yet, or its rank left the pool)."""
 
@@ -45,21 +47,21 @@ class Session:
     rank: int | None = None
 
 
-_CURRENT: ContextVar[Session | None] = ContextVar("rollpipe_session", default=None)
+_CURRENT: ContextVar[Route | None] = ContextVar("rollpipe_route", default=None)
 
 
 @contextlib.contextmanager
-def in_session(session: Session) -> Iterator[Session]:
-    """Requests made inside this block (in this task) belong to ``session``."""
-    token = _CURRENT.set(session)
+def in_route(route: Route) -> Iterator[Route]:
+    """Requests made inside this block (in this task) belong to ``route``."""
+    token = _CURRENT.set(route)
     try:
-        yield session
+        yield route
     finally:
         _CURRENT.reset(token)
 
 
-def current_session() -> Session | None:
-    """The session of the request being made, if its caller set one."""
+def current_route() -> Route | None:
+    """The route of the request being made, if its caller set one."""
     return _CURRENT.get()
 
 
@@ -76,7 +78,7 @@ class RankLoad:
 class Router(Protocol):
     """Picks the rank for one request among ``loads`` (never empty, active ranks only)."""
 
-    def route(self, session: Session | None, loads: Sequence[RankLoad]) -> int: ...
+    def route(self, session: Route | None, loads: Sequence[RankLoad]) -> int: ...
 
 
 @attrs.frozen
@@ -88,7 +90,7 @@ class LeastLoaded:
         default="requests", validator=attrs.validators.in_(("requests", "tokens"))
     )
 
-    def route(self, session: Session | None, loads: Sequence[RankLoad]) -> int:
+    def route(self, session: Route | None, loads: Sequence[RankLoad]) -> int:
         if session is not None and any(load.rank == session.rank for load in loads):
             return session.rank  # type: ignore[return-value]
         best = min(loads, key=lambda load: (getattr(load, self.measure), load.rank))
@@ -105,7 +107,7 @@ class RandomRouter:
     def __attrs_post_init__(self) -> None:
         self._rng = random.Random(self.seed)
 
-    def route(self, session: Session | None, loads: Sequence[RankLoad]) -> int:
+    def route(self, session: Route | None, loads: Sequence[RankLoad]) -> int:
         return self._rng.choice(loads).rank
 
 

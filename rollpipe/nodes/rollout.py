@@ -33,6 +33,7 @@ from torchdata.nodes import BaseNode
 from rollpipe._utils.checks import instance_of, int_in, one_of, optional
 from rollpipe._utils.threads import shutdown_within
 from rollpipe.agent.chat import ChatFormat
+from rollpipe.agent.env_contract import runs_own_episode
 from rollpipe.agent.env_errors import FirstErrors
 from rollpipe.agent.env_threads import EnvLease, EnvThreads
 from rollpipe.agent.episode import EpisodeSettings, run_episode
@@ -255,11 +256,10 @@ class Rollout(BaseNode[Trajectory]):
     async def _run(self, spec: EpisodeSpec) -> Trajectory:
         env_id, env = self._envs.acquire(spec)
         lease = EnvLease(functools.partial(self._envs.release, spec, env_id, env))
-        own = getattr(env, "run_episode", None)  # an episode kind of its own (AgentEnv)
         try:
-            if own is not None:
+            if runs_own_episode(env):  # an episode kind (AgentEnv), not an env to step
                 admit = self.signals.admit
-                return await own(  # type: ignore[no-any-return]
+                return await env.run_episode(  # type: ignore[no-any-return]
                     spec, self.engine, self.chat, self.episode, admit=admit, env_id=env_id
                 )
             return await run_episode(
