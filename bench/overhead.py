@@ -3,7 +3,7 @@
 Where rollpipe's own work runs: three threads. The episodes' event-loop thread runs
 the episode coroutines (prompt building with ``ChatFormat``, which calls the tokenizer;
 turn records; admission) and, inline, the env calls, whose time inside
-``rollpipe/envs/`` is excluded. The Rollout's source thread pulls episode specs from
+``rollpipe/envs/`` is excluded. The EpisodeRunner's source thread pulls episode specs from
 the upstream node. The consumer thread (here the main thread) runs grouping, batching
 and collation. The engine generates on its own thread, not counted, nor are the
 engine's client-side calls (``rollpipe/engines/``: ``engine.generate`` validating and

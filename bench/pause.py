@@ -19,7 +19,7 @@ trainer does between steps, from the main thread:
   ``resume_first_token_no_sync_ms`` is the same after a suspend without a weight sync
   (the KV cache survives), measured in the same repeat.
 
-After the repeats, every group is cancelled (``UpstreamSignals.cancel_group``) so the
+After the repeats, every group is cancelled (``PipelineSignals.cancel_group``) so the
 run ends without generating the rest. Medians over repeats.
 """
 

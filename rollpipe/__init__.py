@@ -50,10 +50,12 @@ _EXPORTS: dict[str, str] = {
     "Correction": "rollpipe.corrections.correction",
     "build_tiny_model": "rollpipe.engines.tiny_model",
     "default_model_path": "rollpipe.engines.tiny_model",
-    "UpstreamSignals": "rollpipe.nodes.signals",
+    "PipelineSignals": "rollpipe.nodes.signals",
+    "UpstreamSignals": "rollpipe.nodes.signals",  # old name of PipelineSignals
     "EnvChoice": "rollpipe.nodes.episode_source",
     "EpisodeSource": "rollpipe.nodes.episode_source",
-    "Rollout": "rollpipe.nodes.rollout",
+    "EpisodeRunner": "rollpipe.nodes.rollout",
+    "Rollout": "rollpipe.nodes.rollout",  # old name of EpisodeRunner
     "GroupAssembler": "rollpipe.nodes.groups",
     "Batch": "rollpipe.nodes.batch",
     "TrajectoryBatch": "rollpipe.nodes.batch",
@@ -63,7 +65,8 @@ _EXPORTS: dict[str, str] = {
     "PipelineConfig": "rollpipe.config",
     "SourceSettings": "rollpipe.nodes.episode_source",
     "EpisodeSettings": "rollpipe.agent.episode",
-    "RolloutSettings": "rollpipe.nodes.rollout",
+    "RunnerSettings": "rollpipe.nodes.rollout",
+    "RolloutSettings": "rollpipe.nodes.rollout",  # old name of RunnerSettings
     "GroupSettings": "rollpipe.nodes.groups",
     "CollateSettings": "rollpipe.nodes.collate",
     "PipelineNodes": "rollpipe.pipeline",
@@ -107,8 +110,8 @@ if TYPE_CHECKING:
     from rollpipe.nodes.episode_source import EnvChoice, EpisodeSource, SourceSettings
     from rollpipe.nodes.groups import GroupAssembler, GroupSettings
     from rollpipe.nodes.pausable import Pausable
-    from rollpipe.nodes.rollout import Rollout, RolloutSettings
-    from rollpipe.nodes.signals import UpstreamSignals
+    from rollpipe.nodes.rollout import EpisodeRunner, Rollout, RolloutSettings, RunnerSettings
+    from rollpipe.nodes.signals import PipelineSignals, UpstreamSignals
     from rollpipe.nodes.suspension import Suspension
     from rollpipe.pipeline import PipelineNodes, RolloutPipeline, build_nodes
     from rollpipe.training.ppo_buffer import RolloutBuffer

@@ -1,6 +1,6 @@
 """build_nodes: the standard chain, wired functionally from one ``PipelineConfig``.
 
-    EpisodeSource → Rollout → GroupAssembler → Batch → Collate → Pausable
+    EpisodeSource → EpisodeRunner → GroupAssembler → Batch → Collate → Pausable
 
 ``hooks`` insert your own nodes after any stage. ``RolloutPipeline`` (``pipeline.py``)
 wraps the chain in a ``torchdata.nodes.Loader``.
@@ -23,8 +23,8 @@ from rollpipe.nodes.collate import Collate
 from rollpipe.nodes.episode_source import EpisodeSource
 from rollpipe.nodes.groups import GroupAssembler
 from rollpipe.nodes.pausable import Pausable
-from rollpipe.nodes.rollout import Rollout
-from rollpipe.nodes.signals import UpstreamSignals
+from rollpipe.nodes.rollout import EpisodeRunner
+from rollpipe.nodes.signals import PipelineSignals
 from rollpipe.nodes.suspension import Suspension
 
 __all__ = ["NodeHook", "PipelineNodes", "Stage", "build_nodes"]
@@ -48,10 +48,10 @@ class PipelineNodes:
         True True
     """
 
-    signals: UpstreamSignals  # cancellations, grants, replacements (flow upstream)
+    signals: PipelineSignals  # cancellations, grants, replacements (flow upstream)
     suspension: Suspension  # suspend / resume / update_weights; admission reads it
     source: EpisodeSource
-    rollout: Rollout
+    rollout: EpisodeRunner
     groups: GroupAssembler
     batch: Batch
     collate: Collate
@@ -107,7 +107,7 @@ def build_nodes(
         return hooks[stage](node) if stage in hooks else node
 
     suspension = Suspension(engine, name=name)
-    signals = UpstreamSignals(suspension)
+    signals = PipelineSignals(suspension)
     ratio = config.async_generation_ratio
     wait = config.max_off_policy_strategy == "wait"  # else drop (see PipelineConfig)
 
@@ -121,7 +121,7 @@ def build_nodes(
         expire_after=None if wait else ratio,  # waiting, an unstarted grant is never stale
         current_version=version if wait else None,  # the ledger the Batch waits on
     )
-    rollout = Rollout(
+    rollout = EpisodeRunner(
         hooked("source", source),
         engine,
         config.episode.chat_format(tokenizer),
@@ -161,7 +161,7 @@ def build_nodes(
 
 def _env_factory(config: PipelineConfig) -> Any:
     """``env_backend="ray"``: each env slot's env in a Ray actor (``rollpipe.envs.ray_env``);
-    ``"local"``: the registry's env in this process (None: the Rollout's default)."""
+    ``"local"``: the registry's env in this process (None: the EpisodeRunner's default)."""
     if config.rollout.env_backend == "local":
         return None
     from rollpipe.envs.ray_env import ray_env_factory

@@ -3,7 +3,7 @@ pipeline-wide.
 
 Each stage's settings are a frozen record defined and checked in that stage's module:
 ``source`` (:class:`SourceSettings`, ``nodes/episode_source.py``), ``episode``
-(:class:`EpisodeSettings`, ``agent/episode.py``), ``rollout`` (:class:`RolloutSettings`,
+(:class:`EpisodeSettings`, ``agent/episode.py``), ``rollout`` (:class:`RunnerSettings`,
 ``nodes/rollout.py``), ``groups`` (:class:`GroupSettings`, ``nodes/groups.py``) and
 ``collate`` (:class:`CollateSettings`, ``nodes/collate.py``). ``PipelineConfig`` adds
 ``batch_size``, ``async_generation_ratio``, ``max_off_policy_strategy`` and
@@ -25,7 +25,7 @@ from rollpipe.agent.episode import EpisodeSettings
 from rollpipe.nodes.collate import CollateSettings
 from rollpipe.nodes.episode_source import SourceSettings
 from rollpipe.nodes.groups import GroupSettings
-from rollpipe.nodes.rollout import RolloutSettings
+from rollpipe.nodes.rollout import RolloutSettings, RunnerSettings
 
 __all__ = [
     "FLAT_NAMES",
@@ -34,14 +34,15 @@ __all__ = [
     "EpisodeSettings",
     "GroupSettings",
     "PipelineConfig",
-    "RolloutSettings",
+    "RolloutSettings",  # old name of RunnerSettings, kept importable
+    "RunnerSettings",
     "SourceSettings",
 ]
 
 SECTIONS: dict[str, type] = {
     "source": SourceSettings,
     "episode": EpisodeSettings,
-    "rollout": RolloutSettings,
+    "rollout": RunnerSettings,
     "groups": GroupSettings,
     "collate": CollateSettings,
 }
@@ -198,7 +199,7 @@ class PipelineConfig:
 
     source: SourceSettings = attrs.field(factory=SourceSettings)
     episode: EpisodeSettings = attrs.field(factory=EpisodeSettings)
-    rollout: RolloutSettings = attrs.field(factory=RolloutSettings)
+    rollout: RunnerSettings = attrs.field(factory=RunnerSettings)
     groups: GroupSettings = attrs.field(factory=GroupSettings)
     collate: CollateSettings = attrs.field(factory=CollateSettings)
     batch_size: int = attrs.field(default=16, validator=int_in(1, MAX_BATCH_SIZE))

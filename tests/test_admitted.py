@@ -1,4 +1,4 @@
-"""Admitted: the Rollout's book keeps the lowest unsettled group id exactly, whatever the
+"""Admitted: the EpisodeRunner's book keeps the lowest unsettled group id exactly, whatever the
 order episodes are admitted, finish and leave in."""
 
 from __future__ import annotations

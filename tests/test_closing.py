@@ -3,7 +3,7 @@
 States tried (as a trainer with a watchdog thread would): mid-batch with another thread
 blocked in ``get_batch()``, suspended with a waiter, the engine closed under the
 pipeline, an env step in flight (on the env pool and inline on the loop). Also: a
-blocking user node before the Rollout does not stall generation.
+blocking user node before the EpisodeRunner does not stall generation.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from rollpipe.agent.episode import EpisodeSettings
 from rollpipe.engines.records import EngineClosedError, EngineError, SamplingParams
 from rollpipe.envs import FrozenLake, register
 from rollpipe.nodes.episode_source import EpisodeSource
-from rollpipe.nodes.rollout import Rollout, RolloutSettings
+from rollpipe.nodes.rollout import EpisodeRunner, RunnerSettings
 from rollpipe.pipeline import PipelineConfig, RolloutPipeline
 from rollpipe.runtime import RuntimeClosedError
 
@@ -241,11 +241,11 @@ class BlockingNode(BaseNode[Any]):
 def test_a_blocking_node_before_the_rollout_does_not_stall_generation(vllm_engine, tokenizer):
     release = threading.Event()
     source = BlockingNode(EpisodeSource(4, 2, seed=9), first=4, release=release)
-    rollout = Rollout(
+    rollout = EpisodeRunner(
         source,
         vllm_engine,
         tokenizer,
-        RolloutSettings(concurrency=8),
+        RunnerSettings(concurrency=8),
         EpisodeSettings(max_turns=2, sampling=SamplingParams()),
     )
     got: list[Any] = []
@@ -269,7 +269,7 @@ def test_a_blocking_node_before_the_rollout_does_not_stall_generation(vllm_engin
 
 
 def test_closing_the_root_closes_the_chain_through_user_nodes(vllm_engine, tokenizer):
-    """``pipe.close()`` reaches the Rollout through nodes without a ``close()`` (a user's
+    """``pipe.close()`` reaches the EpisodeRunner through nodes without a ``close()`` (a user's
     ``Mapper`` hooked in after it, Groups, Batch, Collate)."""
     from torchdata.nodes import Mapper
 

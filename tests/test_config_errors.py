@@ -33,7 +33,7 @@ from rollpipe.nodes.groups import MAX_DROPS_IN_A_ROW
 from rollpipe.nodes.rollout import MAX_CONCURRENCY
 
 NAMED = (
-    r"(PipelineConfig|SourceSettings|EpisodeSettings|RolloutSettings|GroupSettings|CollateSettings)"
+    r"(PipelineConfig|SourceSettings|EpisodeSettings|RunnerSettings|GroupSettings|CollateSettings)"
 )
 
 # field -> bad values (each alone, on top of the defaults)

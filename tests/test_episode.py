@@ -23,7 +23,7 @@ from rollpipe.data.padding import position_ids_from_mask, unpad_rows
 from rollpipe.data.rows import step_rows, trajectory_rows
 from rollpipe.engines.records import EngineClosedError, SamplingParams
 from rollpipe.envs import FrozenLake
-from rollpipe.nodes.signals import UpstreamSignals
+from rollpipe.nodes.signals import PipelineSignals
 
 LAKE = "P__\n_H_\n__G"  # a fixed 3x3 map: the tests are about tokens, not maps
 ROLL_METRICS = {"action_is_effective", "action_is_valid", "success", "format_penalty"}
@@ -417,7 +417,7 @@ def test_window_mode_prompts_are_rebuilt_each_turn(hf_engine: Any, tokenizer: An
 
 
 def test_abort_regenerates_the_same_turn(hf_engine: Any, tokenizer: Any) -> None:
-    control = UpstreamSignals()
+    control = PipelineSignals()
     calls = 0
 
     start = hf_engine.tokens_generated

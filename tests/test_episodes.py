@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from torchdata.nodes import Loader
 
 from rollpipe.nodes.episode_source import EnvChoice, EpisodeSource
-from rollpipe.nodes.signals import UpstreamSignals
+from rollpipe.nodes.signals import PipelineSignals
 
 
 @settings(max_examples=50, deadline=None)
@@ -50,7 +50,7 @@ def test_endless_source_keeps_going():
 
 
 def test_replacements_extend_a_finite_source():
-    signals = UpstreamSignals()
+    signals = PipelineSignals()
     source = EpisodeSource(1, 2, seed=0, signals=signals)
     assert [s.group_id for s in source] == [0, 0]
     signals.request_groups(2)

@@ -33,7 +33,7 @@ from rollpipe.frontdoor import FrontDoor
 from rollpipe.nodes.episode_source import EnvChoice, EpisodeSource
 from rollpipe.nodes.error_runs import TIMED_MIN_ERRORS, ErrorRuns
 from rollpipe.nodes.groups import GroupAssembler, GroupSettings
-from rollpipe.nodes.rollout import Rollout, RolloutSettings
+from rollpipe.nodes.rollout import EpisodeRunner, RunnerSettings
 from rollpipe.pipeline import PipelineConfig, RolloutPipeline
 
 from records import make_trajectory
@@ -94,7 +94,7 @@ def test_the_first_error_of_each_tag_and_type_is_a_warning_when_it_happens(
     ]
     episode = EpisodeSettings(max_turns=1, sampling=SAMPLING)
     source = EpisodeSource(12, 2, seed=5, envs=envs)
-    rollout = Rollout(source, vllm_engine, tokenizer, RolloutSettings(concurrency=1), episode)
+    rollout = EpisodeRunner(source, vllm_engine, tokenizer, RunnerSettings(concurrency=1), episode)
     seen: list[Trajectory] = []
     try:
         for traj in Loader(rollout):
@@ -183,7 +183,7 @@ def test_max_error_seconds_stops_a_run_that_lasted_that_long(
     TIMED_MIN_ERRORS errors: the time rule ends it at exactly that many."""
     episode = EpisodeSettings(max_turns=1, sampling=SAMPLING)
     source = EpisodeSource(None, 2, seed=7, envs="broken_lake")
-    rollout = Rollout(source, vllm_engine, tokenizer, RolloutSettings(concurrency=4), episode)
+    rollout = EpisodeRunner(source, vllm_engine, tokenizer, RunnerSettings(concurrency=4), episode)
     groups = GroupAssembler(
         rollout, 2, max_errors_in_a_row=1000, max_error_seconds=30.0, clock=StepClock(10.0)
     )

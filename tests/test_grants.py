@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 
 from rollpipe.config import PipelineConfig
 from rollpipe.nodes.episode_source import EpisodeSource
-from rollpipe.nodes.signals import UpstreamSignals
+from rollpipe.nodes.signals import PipelineSignals
 
 
 def metered(expire_after: int | None, group_size: int = 2) -> EpisodeSource:
     source = EpisodeSource(
-        None, group_size, seed=3, signals=UpstreamSignals(), metered=True, expire_after=expire_after
+        None, group_size, seed=3, signals=PipelineSignals(), metered=True, expire_after=expire_after
     )
     source.reset()
     return source

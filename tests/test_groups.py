@@ -19,7 +19,7 @@ from rollpipe.nodes.groups import (
     scores_differ,
     zero_variance,
 )
-from rollpipe.nodes.signals import UpstreamSignals
+from rollpipe.nodes.signals import PipelineSignals
 
 from records import make_trajectory
 
@@ -98,7 +98,7 @@ def test_errors_beyond_redundancy_drop_the_group(stream, data):
         )
     )
     trajs = arrivals(num_groups, members, order, errors=errors)
-    signals = UpstreamSignals()
+    signals = PipelineSignals()
     node = GroupAssembler(
         IterableWrapper(trajs), group_size, redundancy=redundancy, signals=signals
     )
@@ -140,7 +140,7 @@ def generated(trajectories) -> int:
 def test_zero_variance_drop_rule_drops_and_requests_replacements():
     scores = [[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]]
     trajs = arrivals(3, 2, list(range(6)), scores=scores, tags=["a", "b", "c"])
-    signals = UpstreamSignals()
+    signals = PipelineSignals()
     node = GroupAssembler(IterableWrapper(trajs), 2, drop_group="zero_variance", signals=signals)
     groups = list(node)
     assert [g.group_id for g in groups] == [1]
@@ -243,7 +243,7 @@ def test_drops_per_tag_add_up_to_the_drops(stream, data):
         group_size,
         redundancy=redundancy,
         drop_group="zero_variance",
-        signals=UpstreamSignals(),
+        signals=PipelineSignals(),
         max_drops_in_a_row=1000,
     )
     groups = list(node)
@@ -301,7 +301,7 @@ def test_stale_groups_are_dropped():
 
 def test_redundant_members_are_cancelled_through_control():
     trajs = arrivals(1, 3, [2, 0, 1])
-    signals = UpstreamSignals()
+    signals = PipelineSignals()
     node = GroupAssembler(IterableWrapper(trajs), 2, redundancy=1, signals=signals)
     group = next(node)
     assert [t.episode_id for t in group.trajectories] == [2, 0]
@@ -346,7 +346,7 @@ def test_trajectories_without_turns_fail_their_group():
         end_reason="max_length",
     )
     trajs = [make_trajectory(0, 0), empty, make_trajectory(1, 2), make_trajectory(1, 3)]
-    signals = UpstreamSignals()
+    signals = PipelineSignals()
     groups = list(GroupAssembler(IterableWrapper(trajs), 2, signals=signals))
     assert [g.group_id for g in groups] == [1]
     assert groups[0].drops == {

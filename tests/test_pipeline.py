@@ -14,7 +14,7 @@ from waiting import wait_until
 from rollpipe.agent.episode import EpisodeSettings
 from rollpipe.envs import FrozenLake, register
 from rollpipe.nodes.episode_source import EpisodeSource
-from rollpipe.nodes.rollout import RolloutSettings
+from rollpipe.nodes.rollout import RunnerSettings
 from rollpipe.pipeline import PipelineConfig, RolloutPipeline
 from rollpipe.runtime import Runtime
 
@@ -289,7 +289,7 @@ def test_user_nodes_between_stages_and_stages_alone(vllm_engine, tokenizer):
 
     from rollpipe.agent.records import Trajectory
     from rollpipe.nodes.episode_source import EpisodeSource
-    from rollpipe.nodes.rollout import Rollout
+    from rollpipe.nodes.rollout import EpisodeRunner
 
     seen = []
 
@@ -307,7 +307,7 @@ def test_user_nodes_between_stages_and_stages_alone(vllm_engine, tokenizer):
     assert sorted(seen) == sorted(batch.non_tensor_batch["traj_uid"])
 
     episode = EpisodeSettings(max_turns=1, sampling=config().episode.sampling)
-    rollout = Rollout(EpisodeSource(1, 3, seed=1), vllm_engine, tokenizer, episode=episode)
+    rollout = EpisodeRunner(EpisodeSource(1, 3, seed=1), vllm_engine, tokenizer, episode=episode)
     trajectories = list(Loader(rollout))
     rollout.close()
     assert [t.episode_id for t in trajectories] == [0, 1, 2]
@@ -376,15 +376,15 @@ def test_env_calls_run_inline_or_on_the_env_pool(vllm_engine, tokenizer, workers
     names); env calls run inline there, or on the env pool when ``env_workers > 0``."""
     from torchdata.nodes import Loader
 
-    from rollpipe.nodes.rollout import Rollout
+    from rollpipe.nodes.rollout import EpisodeRunner
 
     ThreadNotingLake.threads = set()
     engine = OnItsOwnRuntime(vllm_engine) if own_runtime else vllm_engine
-    rollout = Rollout(
+    rollout = EpisodeRunner(
         EpisodeSource(2, 2, seed=1, envs="thread_noting_lake"),
         engine,
         tokenizer,
-        RolloutSettings(env_workers=workers),
+        RunnerSettings(env_workers=workers),
         EpisodeSettings(max_turns=2, sampling=config().episode.sampling),
     )
     try:
@@ -407,10 +407,10 @@ def test_asking_for_data_on_the_engine_loop_raises_not_hangs(vllm_engine, tokeni
     deadlock, so it is an error instead."""
     import asyncio
 
-    from rollpipe.nodes.rollout import Rollout
+    from rollpipe.nodes.rollout import EpisodeRunner
 
     episode = EpisodeSettings(max_turns=1)
-    rollout = Rollout(EpisodeSource(1, 2, seed=1), vllm_engine, tokenizer, episode=episode)
+    rollout = EpisodeRunner(EpisodeSource(1, 2, seed=1), vllm_engine, tokenizer, episode=episode)
     rollout.reset()
 
     async def next_on_engine_loop():
@@ -438,7 +438,7 @@ def test_asking_for_data_on_the_engine_loop_raises_not_hangs(vllm_engine, tokeni
     ],
 )
 def test_bad_config_values_name_the_field(field: str, value: object) -> None:
-    named = r"(PipelineConfig|EpisodeSettings|RolloutSettings)"
+    named = r"(PipelineConfig|EpisodeSettings|RunnerSettings)"
     with pytest.raises(ValueError, match=rf"{named}\.{field}.*{re.escape(repr(value))}"):
         PipelineConfig(**{field: value})
 

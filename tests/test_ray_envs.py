@@ -28,8 +28,8 @@ from rollpipe.nodes.closing import close_chain
 from rollpipe.nodes.collate import Collate
 from rollpipe.nodes.episode_source import EnvChoice, EpisodeSource
 from rollpipe.nodes.groups import GroupAssembler
-from rollpipe.nodes.rollout import Rollout, RolloutSettings
-from rollpipe.nodes.signals import UpstreamSignals
+from rollpipe.nodes.rollout import EpisodeRunner, RunnerSettings
+from rollpipe.nodes.signals import PipelineSignals
 from rollpipe.pipeline import PipelineConfig
 
 ray = pytest.importorskip("ray")  # the dev extra installs it: CI always runs these
@@ -119,17 +119,17 @@ def run_chain(
     env_factory: Any = None,
     trajectories: list[Any] | None = None,
 ) -> tuple[list[Any], GroupAssembler]:
-    """Every batch of ``cfg``'s chain (EpisodeSource → Rollout → GroupAssembler → Batch
+    """Every batch of ``cfg``'s chain (EpisodeSource → EpisodeRunner → GroupAssembler → Batch
     → Collate, as ``build_nodes`` wires it), then the chain closed. Every trajectory the
     rollout yields is appended to ``trajectories``."""
-    signals = UpstreamSignals()
+    signals = PipelineSignals()
     chat = ChatFormat(tokenizer, system_prompt=cfg.episode.system_prompt)
     source = EpisodeSource.from_settings(cfg.source, signals=signals)
-    rollout = Rollout(
+    rollout = EpisodeRunner(
         source,
         engine,
         chat,
-        RolloutSettings(concurrency=cfg.rollout.concurrency),
+        RunnerSettings(concurrency=cfg.rollout.concurrency),
         cfg.episode,
         env_factory=env_factory,
         signals=signals,

@@ -26,7 +26,7 @@ from rollpipe.data.proto import DataProto
 from rollpipe.engines.scripted import ScriptedEngine
 from rollpipe.envs import register
 from rollpipe.nodes.batch import Batch
-from rollpipe.nodes.signals import UpstreamSignals
+from rollpipe.nodes.signals import PipelineSignals
 from rollpipe.pipeline import PipelineConfig, RolloutPipeline
 
 from records import make_trajectory
@@ -241,7 +241,7 @@ def finishing(order: list[int], signals: Any, clock: Clock, ratio: int, per_batc
     order=st.lists(st.integers(0, 50), min_size=40, max_size=80),
 )
 def test_waiting_batches_hold_no_group_older_than_the_bound(ratio, per_batch, order):
-    signals, clock = UpstreamSignals(), Clock()
+    signals, clock = PipelineSignals(), Clock()
     batches = Batch(
         IterableWrapper(finishing(order, signals, clock, ratio, per_batch)),
         2 * per_batch,

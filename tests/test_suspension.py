@@ -34,7 +34,7 @@ from rollpipe.engines.base import BaseEngine
 from rollpipe.engines.pool import EnginePool
 from rollpipe.engines.protocol import Engine
 from rollpipe.nodes.batch import Batch
-from rollpipe.nodes.signals import UpstreamSignals
+from rollpipe.nodes.signals import PipelineSignals
 from rollpipe.nodes.suspension import Suspension
 from rollpipe.pipeline import PipelineConfig, RolloutPipeline
 from rollpipe.runtime import Runtime, RuntimeClosedError
@@ -198,7 +198,7 @@ def test_after_close_control_raises_and_leaves_the_engine_alone(fake: FakeEngine
 
 
 def test_admission_is_the_suspensions_and_its_changes_reach_listeners() -> None:
-    signals = UpstreamSignals()  # a suspension of its own, without an engine
+    signals = PipelineSignals()  # a suspension of its own, without an engine
     heard: list[bool] = []
     signals.add_listener(lambda: heard.append(signals.is_open))
     signals.suspension.suspend()
@@ -224,7 +224,7 @@ def test_batch_takes_its_size_per_request_once() -> None:
 
 def test_batch_drops_groups_that_went_stale_while_they_waited() -> None:
     version = [0]
-    signals = UpstreamSignals()
+    signals = PipelineSignals()
 
     def arrive(g: Group) -> Group:
         if g.group_id == 1:

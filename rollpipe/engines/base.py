@@ -111,7 +111,7 @@ class BaseEngine(EngineStateView):
 
     @property
     def runtime(self) -> Runtime:
-        """The event loop this engine runs on. Coroutines running on it (a ``Rollout``'s
+        """The event loop this engine runs on. Coroutines running on it (a ``EpisodeRunner``'s
         episodes) reach the engine without a thread hop.
 
         Examples:
@@ -159,7 +159,7 @@ class BaseEngine(EngineStateView):
             self._check_features(params)
         prompt = self._check_prompt(prompt_ids, self._backend.vocab_size)
         self._state.check_open()
-        if self._runtime.in_loop():  # a Rollout's episode: no hop, no task (Scope.run's path)
+        if self._runtime.in_loop():  # an EpisodeRunner's episode: no hop, no task (Scope.run)
             self._scope.check_open()
             return await self._generate(prompt, params, on_tokens)
         return await self._scope.run(self._generate(prompt, params, on_tokens))

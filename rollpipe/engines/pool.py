@@ -19,7 +19,7 @@ The pool is an ``Engine`` itself, so every stage and the pipeline use it unchang
   which case a rank not at the pool's version is refused. vLLM's sleep mode is not
   available on its CPU backend, so offloading frees the engine and expanding rebuilds it.
 
-Requests run on the pool's own runtime (where a ``Rollout`` runs its episodes) and reach
+Requests run on the pool's own runtime (where a ``EpisodeRunner`` runs its episodes) and reach
 each rank's engine through that engine's runtime. Control calls (``pool_control.py``)
 block their caller and run one at a time, under the pool's lock; they may come from any
 thread while requests are in flight. The pool's version, pause mode, interruptions and

@@ -366,7 +366,7 @@ def ray_env_factory(
     call_timeout_s: float | None = None,
     start_timeout_s: float | None = DEFAULT_START_TIMEOUT_S,
 ) -> EnvForSpec:
-    """An env factory for ``Rollout(env_factory=...)``: a :class:`RayEnv` per env slot
+    """An env factory for ``EpisodeRunner(env_factory=...)``: a :class:`RayEnv` per env slot
     (the rollout keeps up to ``concurrency`` of them, so ``concurrency * num_cpus`` CPUs
     must fit in the cluster) hosting the registry's env for the spec. Options are
     checked here, not at the first episode."""

@@ -96,12 +96,12 @@ class AgentEnv:
             rendered without tools, which starts a second row when the template puts
             the tools in the prompt (:class:`~rollpipe.frontdoor.session.AgentSession`).
 
-    The Rollout runs it through :meth:`run_episode` instead of the text-env loop. The
+    The EpisodeRunner runs it through :meth:`run_episode` instead of the text-env loop. The
     AgentEnvs of one pipeline share one front door: it starts with the first episode
     and stops when the last of them is closed.
 
     Examples:
-        One episode on the engine's loop, as the Rollout runs each spec:
+        One episode on the engine's loop, as the EpisodeRunner runs each spec:
 
         >>> async def agent(client, task):
         ...     messages = [{"role": "user", "content": task}]
@@ -200,7 +200,7 @@ class AgentEnv:
         return door
 
     def close(self) -> None:
-        """Stop the front door (from any thread; the Rollout calls it when it closes)."""
+        """Stop the front door (from any thread; the EpisodeRunner calls it when it closes)."""
         door, self.door = self.door, None
         if door is not None:
             release_door(self, door)

@@ -1,7 +1,7 @@
 """Shared doors: one front door per engine and chat format, for all the AgentEnvs of a
 pipeline.
 
-A Rollout builds one ``AgentEnv`` instance per episode in flight; they share one
+An EpisodeRunner builds one ``AgentEnv`` instance per episode in flight; they share one
 :class:`~rollpipe.frontdoor.server.FrontDoor` (one port, one set of sessions) instead of
 starting a server each. The door starts with its first user and closes with its last.
 """

@@ -1,9 +1,9 @@
-"""Admitted: the Rollout's book of episodes admitted and not yet yielded, and their results.
+"""Admitted: the EpisodeRunner's book of episodes admitted and not yet yielded, and their results.
 
 Each admitted spec gets an index (admission order). A finished episode's result waits
 here until it is yielded: in admission order (``in_order``, reproducible) or in
 completion order. The book also knows the lowest group id that still has a member in it,
-which tells downstream stages which groups are settled (``UpstreamSignals.settle_below``).
+which tells downstream stages which groups are settled (``PipelineSignals.settle_below``).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from torchdata.nodes import BaseNode
 from rollpipe._utils.checks import check_int
 from rollpipe.agent.records import Group, Trajectory
 from rollpipe.nodes.group_rules import is_stale
-from rollpipe.nodes.signals import UpstreamSignals
+from rollpipe.nodes.signals import PipelineSignals
 
 
 @attrs.frozen
@@ -110,7 +110,7 @@ class Batch(BaseNode[TrajectoryBatch]):
         drop_last: bool = False,
         max_staleness: int | None = None,
         current_version: Callable[[], int] | None = None,
-        signals: UpstreamSignals | None = None,
+        signals: PipelineSignals | None = None,
         wait: bool = False,
     ) -> None:
         super().__init__()

@@ -1,7 +1,7 @@
 """close_chain: closing the last node of a chain closes every node before it.
 
 torchdata 0.11's nodes have no ``close()``: a node's threads end with the node (``__del__``,
-``reset``). rollpipe's nodes that own threads or a scope (``Rollout``, ``Pausable``) have a
+``reset``). rollpipe's nodes that own threads or a scope (``EpisodeRunner``, ``Pausable``) have a
 ``close()`` that releases them and then closes their own source. ``close_chain`` walks a
 chain from its last node: it closes a node that has ``close()``, and steps through one
 that has none (``Mapper``, ``Collate``, a user's node) to the nodes it reads from.

@@ -24,7 +24,7 @@ from rollpipe._utils.seeding import derive_seed
 from rollpipe.agent.records import EpisodeSpec
 from rollpipe.envs.registry import check_env
 from rollpipe.nodes.dataset import DatasetSettings, RowOrder
-from rollpipe.nodes.signals import UpstreamSignals
+from rollpipe.nodes.signals import PipelineSignals
 
 MAX_GROUP_SIZE = 65536
 MAX_REDUNDANCY = 1024
@@ -183,7 +183,7 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
         [(0, 0), (0, 1), (1, 2), (1, 3)]
         >>> specs[0].seed == specs[1].seed != specs[2].seed  # a group's members share it
         True
-        >>> signals = UpstreamSignals()
+        >>> signals = PipelineSignals()
         >>> metered = EpisodeSource(None, 2, signals=signals, metered=True)
         >>> signals.grant_groups(1)
         >>> [spec.episode_id for spec in metered]  # the granted group, then no more
@@ -198,7 +198,7 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
         envs: str | EnvChoice | Sequence[str | EnvChoice] = "frozenlake",
         *,
         redundancy: int = 0,
-        signals: UpstreamSignals | None = None,
+        signals: PipelineSignals | None = None,
         metered: bool = False,
         expire_after: int | None = None,
         dataset: DatasetSettings | None = None,
@@ -242,7 +242,7 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
         cls,
         settings: SourceSettings,
         *,
-        signals: UpstreamSignals | None = None,
+        signals: PipelineSignals | None = None,
         metered: bool = False,
         expire_after: int | None = None,
         current_version: Callable[[], int] | None = None,
@@ -324,7 +324,7 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
             row_index=index,
         )
 
-    def _take_requests(self, signals: UpstreamSignals) -> None:
+    def _take_requests(self, signals: PipelineSignals) -> None:
         """Add downstream requests to the budget: replacements, and (metered) grants,
         expiring grants too old for ``expire_after``."""
         replacements = signals.take_replacements()

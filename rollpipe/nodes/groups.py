@@ -34,7 +34,7 @@ from rollpipe.nodes.group_rules import (
     scores_differ,
     zero_variance,
 )
-from rollpipe.nodes.signals import UpstreamSignals
+from rollpipe.nodes.signals import PipelineSignals
 from rollpipe.nodes.starved import starved_message
 
 __all__ = [
@@ -124,10 +124,10 @@ class GroupAssembler(BaseNode[Group]):
     dropped), and ``tag_drops``: the same counts split by the env tag of what was dropped;
     ``errors``: the text of the last ``MAX_ERRORS_KEPT`` errored trajectories among them.
     ``errored_trajectories`` counts every errored trajectory that reaches the assembler,
-    members of groups already dropped included (the Rollout passes those on).
+    members of groups already dropped included (the EpisodeRunner passes those on).
 
     Memory stays bounded on an endless stream: a closed group's id is forgotten once the
-    Rollout reports (``signals.settled_below``) that no member of it can arrive any more.
+    EpisodeRunner reports (``signals.settled_below``) that no member of it can arrive any more.
 
     Examples:
         >>> from torchdata.nodes import IterableWrapper
@@ -151,7 +151,7 @@ class GroupAssembler(BaseNode[Group]):
         drop_group: str | GroupRule | None = None,
         max_staleness: int | None = None,
         current_version: Callable[[], int] | None = None,
-        signals: UpstreamSignals | None = None,
+        signals: PipelineSignals | None = None,
         max_drops_in_a_row: int = 1000,
         max_errors_in_a_row: int = 64,
         max_error_seconds: float | None = 60.0,

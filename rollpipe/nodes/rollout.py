@@ -1,4 +1,4 @@
-"""Rollout: many episodes at once, every live request in flight together.
+"""EpisodeRunner: many episodes at once, every live request in flight together.
 
 Each episode is a coroutine (``rollpipe.agent.episode.run_episode``). Up to ``concurrency`` run on
 the engine's runtime (``engine.runtime``), so all of their engine requests reach the engine
@@ -11,7 +11,7 @@ run inline on the loop (unless ``env_workers > 0`` asks for threads for every en
 The upstream node is pulled on a thread of its own, never on the loop, so a slow or blocking node
 before the rollout does not stall generation. Collection continues in the background between
 ``next()`` calls — while the trainer computes — up to ``max_buffered`` finished trajectories; the
-admission gate (``UpstreamSignals``) stops it. With ``in_order=True`` (as torchdata's
+admission gate (``PipelineSignals``) stops it. With ``in_order=True`` (as torchdata's
 ``ParallelMapper``) trajectories come out in admission order, so runs and checkpoint restores are
 reproducible; ``in_order=False`` yields them as they finish. A checkpoint records the specs
 admitted but not yet yielded (as plain data); a restore re-runs them from their derived seeds.
@@ -42,7 +42,7 @@ from rollpipe.engines.protocol import Engine
 from rollpipe.nodes.admitted import Admitted
 from rollpipe.nodes.closing import close_chain
 from rollpipe.nodes.env_pool import EnvForSpec, EnvPool
-from rollpipe.nodes.signals import UpstreamSignals
+from rollpipe.nodes.signals import PipelineSignals
 from rollpipe.runtime import Feed, Runtime, RuntimeClosedError, Signal
 
 _END = object()  # the stream is over (a coroutine cannot raise StopIteration)
@@ -52,7 +52,7 @@ MAX_CONCURRENCY = 65536
 
 
 @attrs.frozen(kw_only=True)
-class RolloutSettings:
+class RunnerSettings:
     """How many episodes run at once and where their envs run (``PipelineConfig.rollout``).
 
     ``concurrency``: episodes in flight at once (at most ``MAX_CONCURRENCY``).
@@ -64,8 +64,8 @@ class RolloutSettings:
     ``PipelineConfig.admission_order`` in the standard chain.
 
     Examples:
-        >>> RolloutSettings(concurrency=8)
-        RolloutSettings(concurrency=8, env_workers=0, env_backend='local', in_order=None)
+        >>> RunnerSettings(concurrency=8)
+        RunnerSettings(concurrency=8, env_workers=0, env_backend='local', in_order=None)
     """
 
     concurrency: int = attrs.field(default=32, validator=int_in(1, MAX_CONCURRENCY))
@@ -76,7 +76,7 @@ class RolloutSettings:
     in_order: bool | None = attrs.field(default=None, validator=optional(instance_of(bool)))
 
 
-class Rollout(BaseNode[Trajectory]):
+class EpisodeRunner(BaseNode[Trajectory]):
     """Runs episode specs from ``source`` to finished :class:`Trajectory` records.
 
     Args:
@@ -84,17 +84,17 @@ class Rollout(BaseNode[Trajectory]):
         engine: the generation engine (``VLLMEngine``, ``HFEngine``, ...).
         chat: a :class:`ChatFormat` (used as is), or a tokenizer to build one from
             ``episode``'s ``system_prompt`` and ``history_window``.
-        settings: a :class:`RolloutSettings` (concurrency, env threads, order).
+        settings: a :class:`RunnerSettings` (concurrency, env threads, order).
         episode: an :class:`EpisodeSettings`: how each episode runs.
         env_factory: builds an env for a spec (default: the registry). Instances are
             pooled and reused; ``env_ids`` in the rows name the instance.
         max_buffered: finished trajectories held, not yet yielded, before admission
             pauses (default ``4 * concurrency``).
-        signals: shared :class:`UpstreamSignals` (admission gate, cancelled groups).
+        signals: shared :class:`PipelineSignals` (admission gate, cancelled groups).
 
     Examples:
         >>> from rollpipe import EpisodeSource
-        >>> with contextlib.closing(Rollout(EpisodeSource(2, 2), engine, tokenizer)) as node:
+        >>> with contextlib.closing(EpisodeRunner(EpisodeSource(2, 2), engine, tokenizer)) as node:
         ...     [trajectory.traj_id for trajectory in node]  # in admission order
         ['frozenlake/g0/e0', 'frozenlake/g0/e1', 'frozenlake/g1/e2', 'frozenlake/g1/e3']
     """
@@ -104,15 +104,15 @@ class Rollout(BaseNode[Trajectory]):
         source: BaseNode[EpisodeSpec],
         engine: Engine,
         chat: Any,
-        settings: RolloutSettings | None = None,
+        settings: RunnerSettings | None = None,
         episode: EpisodeSettings | None = None,
         *,
         env_factory: EnvForSpec | None = None,
         max_buffered: int | None = None,
-        signals: UpstreamSignals | None = None,
+        signals: PipelineSignals | None = None,
     ) -> None:
         super().__init__()
-        self.settings = RolloutSettings() if settings is None else settings
+        self.settings = RunnerSettings() if settings is None else settings
         self.episode = EpisodeSettings() if episode is None else episode
         self.concurrency = concurrency = self.settings.concurrency
         self.source = source
@@ -120,10 +120,10 @@ class Rollout(BaseNode[Trajectory]):
         self.chat = chat if isinstance(chat, ChatFormat) else self.episode.chat_format(chat)
         self.in_order = self.settings.in_order is not False  # None (auto): admission order
         self.max_buffered = max_buffered or 4 * concurrency
-        self.signals = signals or UpstreamSignals()
+        self.signals = signals or PipelineSignals()
         self._envs = EnvPool(env_factory)
         self._runtime: Runtime = engine.runtime
-        self._scope = self._runtime.scope("Rollout")
+        self._scope = self._runtime.scope("EpisodeRunner")
         # One thread pulls the upstream node (never the loop); env threads run blocking envs.
         self._source_thread = concurrent.futures.ThreadPoolExecutor(1, "rollpipe-source")
         self._env_threads = EnvThreads(self.settings.env_workers or concurrency)
@@ -319,13 +319,8 @@ class Rollout(BaseNode[Trajectory]):
         return self.signals.requests_made > self._requests_at_stop
 
     def _is_over(self) -> bool:
-        return (
-            not self._live
-            and not self._book.results
-            and not self._requeue
-            and self._source_done
-            and not self._new_requests()
-        )
+        idle = not self._live and not self._book.results and not self._requeue
+        return idle and self._source_done and not self._new_requests()
 
     def _pop_ready(self) -> Trajectory | None:
         """The next result to yield. Those of cancelled groups are skipped, except errors
@@ -342,7 +337,7 @@ class Rollout(BaseNode[Trajectory]):
         return None
 
     async def _next_ready(self) -> Any:
-        assert self._ready is not None, "Rollout.next() before reset()"
+        assert self._ready is not None, "EpisodeRunner.next() before reset()"
         while True:
             if self._failure is not None:
                 raise self._failure
@@ -378,7 +373,7 @@ class Rollout(BaseNode[Trajectory]):
             return
         self._closed = True
         self._scope.close(
-            RuntimeClosedError("the Rollout was closed; build a new pipeline to go on")
+            RuntimeClosedError("the EpisodeRunner was closed; build a new pipeline to go on")
         )
         self.signals.remove_listener(self._wakeup.notify)
         deadline = time.monotonic() + CLOSE_WAIT_S
@@ -398,3 +393,7 @@ class Rollout(BaseNode[Trajectory]):
             self._scope.close()
             self._source_thread.shutdown(wait=False, cancel_futures=True)
             self._env_threads.close(0.0)
+
+
+Rollout = EpisodeRunner  # old name, kept importable
+RolloutSettings = RunnerSettings  # old name, kept importable

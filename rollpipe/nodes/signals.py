@@ -7,7 +7,7 @@ needed) and requests for more groups (the pipeline's grants, and replacements fo
 group that was filtered, stale or errored). With ``max_off_policy_strategy="wait"`` they
 also hold the ledger of live groups: the policy version each group started at, until the
 trainer consumes it or it is dropped (the Batch takes the oldest first). One
-``UpstreamSignals`` is shared by the stages of a pipeline; each stage that needs it
+``PipelineSignals`` is shared by the stages of a pipeline; each stage that needs it
 takes it as an argument, so a stage used alone needs none. A stage that must react to a
 signal at once (the rollout's admission driver) registers a listener, called on every
 change from whatever thread made it: nothing polls.
@@ -23,14 +23,14 @@ from rollpipe.nodes.suspension import Suspension
 from rollpipe.runtime import Listeners
 
 
-class UpstreamSignals:
+class PipelineSignals:
     """Admission, cancelled groups, grants and replacement requests, safe across threads.
 
     Admission is ``suspension``'s (the pipeline's one ``Suspension``; a fresh one, with
     no engine, when none is given): its changes reach these signals' listeners too.
 
     Examples:
-        >>> signals = UpstreamSignals()
+        >>> signals = PipelineSignals()
         >>> changes = []
         >>> signals.add_listener(lambda: changes.append(1))
         >>> signals.cancel_group(3); signals.request_groups(2); signals.grant_groups(4, step=1)
@@ -186,3 +186,6 @@ class UpstreamSignals:
                 self._grants = [(int(n), int(s)) for n, s in grants]  # type: ignore[attr-defined]
                 started = state.get("started", [])
                 self._started = {int(g): int(v) for g, v in started}  # type: ignore[attr-defined]
+
+
+UpstreamSignals = PipelineSignals  # old name, kept importable

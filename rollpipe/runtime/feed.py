@@ -1,6 +1,6 @@
 """Feed: items made one after another on a thread, handed to a coroutine as they come.
 
-A ``Rollout`` pulls a wave of episode specs from its upstream node on the source
+A ``EpisodeRunner`` pulls a wave of episode specs from its upstream node on the source
 thread. One job per item (an executor future and a loop wake-up each) cost more than
 the episode's own turns when a thousand episodes start at once; a ``Feed`` runs the
 whole wave as one job and hands the items over through a deque, waking the loop only

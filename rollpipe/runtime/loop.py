@@ -1,7 +1,7 @@
 """Runtime: the one event loop that runs engines and episodes, and the one bridge to it.
 
 An engine runs on a ``Runtime``: an asyncio event loop in one daemon thread. A
-``Rollout``'s episodes run on their engine's runtime too, so a turn's next request reaches
+``EpisodeRunner``'s episodes run on their engine's runtime too, so a turn's next request reaches
 the engine before its next step, with no thread hop. Other threads (the trainer's,
 torchdata's) reach the loop only through a ``Scope``: ``submit`` (a future, cancellable)
 and ``call`` (block for the result). Each part that calls in (an engine, a rollout, a

@@ -186,7 +186,7 @@ def test_errored_members_of_a_dropped_group_are_all_counted(
     vllm_engine: Any, tokenizer: Any
 ) -> None:
     """Issue 17 counted 30 errors against 36 injected: the errors of a group's other
-    members, once the group was dropped, were discarded (the Rollout skipped results of
+    members, once the group was dropped, were discarded (the EpisodeRunner skipped results of
     cancelled groups; late ones were counted as ``redundant``). Every member fails here."""
     cfg = config(
         "inline_fault_lake",
