@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from rollpipe.engines import Engine, HFEngine, SamplingParams, VLLMEngine
-from rollpipe.engines.tiny_model import default_model_path
+from rollpipe.training.tiny_model import default_model_path
 
 
 def _prompts(tokenizer: Any, n: int) -> list[list[int]]:

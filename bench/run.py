@@ -309,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> Figures:
 
     from transformers import AutoTokenizer
 
-    from rollpipe.engines.tiny_model import default_model_path
+    from rollpipe.training.tiny_model import default_model_path
 
     figures: Figures = {
         "machine": machine_info(),

@@ -171,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollpipe.engines.tiny_model import default_model_path
     from rollpipe.engines.vllm import VLLMEngine
+    from rollpipe.training.tiny_model import default_model_path
 
     path = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(str(path))

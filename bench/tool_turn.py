@@ -112,7 +112,7 @@ def run(ctx: BenchContext) -> Figures:
 def _run(ctx: BenchContext) -> Figures:
     from transformers import AutoTokenizer
 
-    from rollpipe.engines.tiny_model import default_model_path
+    from rollpipe.training.tiny_model import default_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path(tools=True))
     repeats = ctx.repeats_for(3)

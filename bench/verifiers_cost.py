@@ -25,9 +25,9 @@ from typing import Any
 
 from rollpipe.agent.episode import EpisodeSettings
 from rollpipe.engines.scripted import ScriptedEngine
-from rollpipe.engines.tiny_model import default_model_path
 from rollpipe.frontdoor import FrontDoor
 from rollpipe.pipeline import PipelineConfig, RolloutPipeline
+from rollpipe.training.tiny_model import default_model_path
 
 CONCURRENCY = 4
 VF = os.environ.get("VF_ADAPTER", "rollpipe.envs.adapters.verifiers:VerifiersEnv")

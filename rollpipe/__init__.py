@@ -48,8 +48,8 @@ _EXPORTS: dict[str, str] = {
     "HFEngine": "rollpipe.engines.hf",
     "EnginePool": "rollpipe.engines.pool",
     "Correction": "rollpipe.corrections.correction",
-    "build_tiny_model": "rollpipe.engines.tiny_model",
-    "default_model_path": "rollpipe.engines.tiny_model",
+    "build_tiny_model": "rollpipe.training.tiny_model",
+    "default_model_path": "rollpipe.training.tiny_model",
     "PipelineSignals": "rollpipe.nodes.signals",
     "UpstreamSignals": "rollpipe.nodes.signals",  # old name of PipelineSignals
     "EnvChoice": "rollpipe.nodes.episode_source",
@@ -95,7 +95,6 @@ if TYPE_CHECKING:
     from rollpipe.engines.pool import EnginePool
     from rollpipe.engines.records import EngineClosedError, EngineError, Generation, SamplingParams
     from rollpipe.engines.scripted import ScriptedEngine
-    from rollpipe.engines.tiny_model import build_tiny_model, default_model_path
     from rollpipe.engines.vllm import VLLMEngine
     from rollpipe.envs.calculator import calculator_env
     from rollpipe.envs.task import PromptTask
@@ -115,6 +114,7 @@ if TYPE_CHECKING:
     from rollpipe.nodes.suspension import Suspension
     from rollpipe.pipeline import PipelineNodes, RolloutPipeline, build_nodes
     from rollpipe.training.ppo_buffer import RolloutBuffer
+    from rollpipe.training.tiny_model import build_tiny_model, default_model_path
 
 
 def __getattr__(name: str) -> Any:

@@ -187,8 +187,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from transformers import AutoTokenizer
 
     from rollpipe.data.readable import decode_row
-    from rollpipe.engines.tiny_model import default_model_path
     from rollpipe.pipeline import RolloutPipeline
+    from rollpipe.training.tiny_model import default_model_path
     from rollpipe.training.warm_start import warm_start_model_path
 
     config = load_config(args)
@@ -335,7 +335,7 @@ def inspect(args: argparse.Namespace, console: Console) -> int:
         raise ValueError(f"--row {args.row} is out of range for a batch of {len(batch)} rows")
     model_path = args.model or batch.meta_info.get("model_path")
     if model_path is None:
-        from rollpipe.engines.tiny_model import default_model_path
+        from rollpipe.training.tiny_model import default_model_path
 
         model_path = default_model_path()
     console.print("response spans are marked [[like this]]:", style="dim")

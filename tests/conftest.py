@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from rollpipe.engines.tiny_model import default_model_path
+from rollpipe.training.tiny_model import default_model_path
 
 _SHARED_ENGINES: list[Any] = []
 

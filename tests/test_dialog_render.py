@@ -19,7 +19,7 @@ from tool_support import add, divide, tools_model_path
 from rollpipe.agent.chat import ChatFormat
 from rollpipe.agent.dialog import CHECKED_TURNS, Dialog
 from rollpipe.agent.tools import ToolSet
-from rollpipe.engines.tiny_model import TOOLS_CHAT_TEMPLATE
+from rollpipe.training.tiny_model import TOOLS_CHAT_TEMPLATE
 
 WORD = st.text(alphabet="abcdefghij KLM.,!?0123\n", max_size=12).map(lambda s: "A" + s)
 CONTENT = st.one_of(st.just(""), WORD)

@@ -81,7 +81,7 @@ def engine(tools_vllm_engine: Any) -> Iterator[Any]:
 def tokenizer() -> Any:
     from transformers import AutoTokenizer
 
-    from rollpipe.engines.tiny_model import default_model_path
+    from rollpipe.training.tiny_model import default_model_path
 
     return AutoTokenizer.from_pretrained(str(default_model_path(tools=True)))
 
@@ -222,7 +222,7 @@ def test_vllm_logprobs_under_a_grammar_are_the_masked_distributions(
     before its log-softmax), never below the policy's; free tokens get the policy's."""
     from transformers import AutoModelForCausalLM
 
-    from rollpipe.engines.tiny_model import default_model_path
+    from rollpipe.training.tiny_model import default_model_path
 
     schema = _object({"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 4}})
     tools = [tool("f", schema, None)]

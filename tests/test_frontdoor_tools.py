@@ -197,7 +197,7 @@ def test_a_streamed_call_gives_the_same_message_in_chunks(
     if plain:
         from transformers import AutoTokenizer
 
-        from rollpipe.engines.tiny_model import default_model_path
+        from rollpipe.training.tiny_model import default_model_path
 
         engine = LoopEngine(AutoTokenizer.from_pretrained(str(default_model_path())))
     got: dict[str, Any] = {"content": "", "calls": [], "finish": None, "usage": None}

@@ -51,7 +51,7 @@ def engine(tools_vllm_engine: Any) -> Iterator[Any]:
 def chat(engine: Any) -> Any:
     from transformers import AutoTokenizer
 
-    from rollpipe.engines.tiny_model import default_model_path
+    from rollpipe.training.tiny_model import default_model_path
 
     engine.seen.clear()
     return SETTINGS.chat_format(AutoTokenizer.from_pretrained(str(default_model_path(tools=True))))

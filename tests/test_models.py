@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -12,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollpipe.engines.tiny_model import EOS_TOKEN, PAD_TOKEN, build_tiny_model, default_model_path
+from rollpipe.training.tiny_model import EOS_TOKEN, PAD_TOKEN, build_tiny_model, default_model_path
 
 
 def _files(path: Path) -> dict[str, bytes]:
@@ -137,3 +139,28 @@ def test_default_model_path_honours_xdg_cache_home(
     monkeypatch.delenv("ROLLPIPE_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert default_model_path().parent == tmp_path / "rollpipe"
+
+
+def test_the_old_module_path_still_imports() -> None:
+    """``rollpipe.engines.tiny_model`` (where the tiny model lived) forwards to
+    ``rollpipe.training.tiny_model`` on first use; importing it, or ``rollpipe.engines``,
+    does not load ``rollpipe.training``."""
+    script = """
+import sys
+import rollpipe.engines
+import rollpipe.engines.tiny_model as old
+assert not [m for m in sys.modules if m.startswith("rollpipe.training")], sys.modules
+from rollpipe.engines.tiny_model import TOOLS_CHAT_TEMPLATE, default_model_path
+import rollpipe.training.tiny_model as new
+assert default_model_path is new.default_model_path
+assert TOOLS_CHAT_TEMPLATE is new.TOOLS_CHAT_TEMPLATE
+assert old.build_tiny_model is new.build_tiny_model
+try:
+    old.no_such_name
+except AttributeError as e:
+    assert "rollpipe.engines.tiny_model" in str(e), e
+else:
+    raise AssertionError("no AttributeError")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -201,7 +201,7 @@ def test_skip_load_accepts_a_rank_at_the_pool_version(fresh: EnginePool) -> None
 def _norm() -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    from rollpipe.engines.tiny_model import default_model_path
+    from rollpipe.training.tiny_model import default_model_path
 
     model = AutoModelForCausalLM.from_pretrained(str(default_model_path()))
     return model.state_dict()["model.norm.weight"]

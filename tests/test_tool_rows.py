@@ -22,7 +22,7 @@ from tool_support import add, divide, tools_model_path
 from rollpipe.agent.chat import ChatFormat
 from rollpipe.agent.dialog import Dialog
 from rollpipe.agent.tools import ToolSet
-from rollpipe.engines.tiny_model import TOOLS_CHAT_TEMPLATE
+from rollpipe.training.tiny_model import TOOLS_CHAT_TEMPLATE
 
 IPYTHON_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>tools\\n' }}{%- for t in tools %}"

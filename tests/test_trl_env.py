@@ -17,9 +17,9 @@ pytest.importorskip("trl")
 from rollpipe import PipelineConfig, RolloutPipeline
 from rollpipe.engines.records import SamplingParams
 from rollpipe.engines.scripted import ScriptedEngine
-from rollpipe.engines.tiny_model import default_model_path
 from rollpipe.envs import register
 from rollpipe.integrations.trl_env import TRLEnv, trl_tools
+from rollpipe.training.tiny_model import default_model_path
 
 RESETS: list[dict[str, Any]] = []
 SCORES: list[tuple[int, int, float]] = []  # (target, count, reward) per get_reward call

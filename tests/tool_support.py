@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from rollpipe.engines.records import Generation, SamplingParams
-from rollpipe.engines.tiny_model import default_model_path
+from rollpipe.training.tiny_model import default_model_path
 
 
 def tools_model_path() -> Path:

@@ -91,7 +91,7 @@ class ResponseParser:
 
     Examples:
         >>> from transformers import AutoTokenizer
-        >>> from rollpipe.engines.tiny_model import default_model_path
+        >>> from rollpipe.training.tiny_model import default_model_path
         >>> tools_tokenizer = AutoTokenizer.from_pretrained(default_model_path(tools=True))
         >>> parser = ResponseParser(tools_tokenizer, tool_parser="hermes")
         >>> text = 'Adding.<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'

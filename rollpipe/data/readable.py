@@ -43,7 +43,7 @@ def show_row(
         >>> import torch
         >>> from transformers import AutoTokenizer
         >>> from rollpipe import DataProto
-        >>> from rollpipe.engines.tiny_model import default_model_path
+        >>> from rollpipe.training.tiny_model import default_model_path
         >>> tok = AutoTokenizer.from_pretrained(str(default_model_path()))
         >>> prompt, answer = tok.encode("Hi, "), tok.encode("there")
         >>> ids = torch.tensor([prompt + answer])

@@ -96,7 +96,7 @@ class VLLMEngine(BaseEngine):
         if not (Path(model) / "config.json").is_file():
             raise ValueError(
                 f"VLLMEngine: model_path {model!r} has no config.json; pass a local model "
-                "directory (e.g. rollpipe.engines.tiny_model.default_model_path())"
+                "directory (e.g. rollpipe.training.tiny_model.default_model_path())"
             )
         check_int("VLLMEngine: max_model_len", max_model_len, 2)
         if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:

@@ -3,7 +3,7 @@
 ``build_warm_start(path, recipe)`` writes a HuggingFace model directory (transformers
 and vLLM load it) in three steps, deterministic from ``recipe.seed``:
 
-1. the built-in tiny model's files (:func:`rollpipe.engines.tiny_model.build_tiny_model`)
+1. the built-in tiny model's files (:func:`rollpipe.training.tiny_model.build_tiny_model`)
    at the recipe's size, with the tiny model's tokenizer minus the merges that join
    grid cells (``__``, ``_P``, ``#\\n``, ...): every cell of a FrozenLake or Sokoban grid
    is then one token, so a row's column is its token's distance from the newline. Token

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from rollpipe.engines.tiny_model import _cache_root, build_tiny_model
+from rollpipe.training.tiny_model import _cache_root, build_tiny_model
 
 __all__ = ["FORMAT_VERSION", "RECIPE_FILE", "cached_build", "save_warm_start", "write_model_files"]
 

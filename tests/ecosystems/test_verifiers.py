@@ -28,10 +28,10 @@ from playing import first_prompts, real_batch
 
 from rollpipe.agent.episode import EpisodeSettings
 from rollpipe.engines.scripted import ScriptedEngine
-from rollpipe.engines.tiny_model import default_model_path
 from rollpipe.envs import make
 from rollpipe.envs.registry import EnvRegistryError
 from rollpipe.pipeline import PipelineConfig, RolloutPipeline
+from rollpipe.training.tiny_model import default_model_path
 
 VF = "rollpipe.envs.adapters.verifiers:VerifiersEnv"
 HERE = str(Path(__file__).parent)
