@@ -12,6 +12,7 @@ from typing import Any
 import attrs
 
 __all__ = [
+    "check_fields",
     "check_int",
     "check_timeout",
     "float_in",
@@ -24,6 +25,19 @@ __all__ = [
 ]
 
 optional = attrs.validators.optional
+
+
+def check_fields(owner: str, record: type, **values: Any) -> None:
+    """Run ``record``'s own attrs validators on ``values`` (field name -> value), errors
+    naming ``owner.field``: a node built from keyword arguments checks them with its
+    settings record's checks, the one place each rule lives, without building the
+    record (which may do more, e.g. build an env)."""
+    fields = attrs.fields_dict(record)
+    stand_in = type(owner, (), {})()  # the validators name type(inst).__name__
+    for name, value in values.items():
+        validator = fields[name].validator
+        if validator is not None:
+            validator(stand_in, fields[name], value)
 
 
 def check_int(name: str, value: object, minimum: int = 0, maximum: int | None = None) -> int:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import attrs
 from torchdata.nodes import BaseNode
 
-from rollpipe._utils.checks import check_int, int_in, one_of, optional
+from rollpipe._utils.checks import check_fields, int_in, one_of, optional
 from rollpipe.agent.records import Group, Trajectory
 from rollpipe.data.metrics import batch_metrics
 from rollpipe.data.proto import DataProto
@@ -98,10 +98,8 @@ class Collate(BaseNode[DataProto]):
         level: Level = "trajectory",
     ) -> None:
         super().__init__()
-        if level not in ("trajectory", "step"):
-            raise ValueError(f"Collate: level must be 'trajectory' or 'step', got {level!r}")
-        if pad_to_multiple_of is not None:
-            check_int("Collate.pad_to_multiple_of (or None)", pad_to_multiple_of, 1)
+        # CollateSettings' checks, the one place these rules live
+        check_fields("Collate", CollateSettings, level=level, pad_to_multiple_of=pad_to_multiple_of)
         self.source = source
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of

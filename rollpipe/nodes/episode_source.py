@@ -19,7 +19,7 @@ import attrs
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from rollpipe._utils.checks import check_int, float_in, int_at_least, int_in, optional
+from rollpipe._utils.checks import check_fields, check_int, float_in, int_at_least, int_in, optional
 from rollpipe._utils.seeding import derive_seed
 from rollpipe.agent.records import EpisodeSpec
 from rollpipe.envs.registry import check_env
@@ -205,11 +205,11 @@ class EpisodeSource(BaseNode[EpisodeSpec]):
         current_version: Callable[[], int] | None = None,
     ) -> None:
         super().__init__()
-        if num_groups is not None:
+        if num_groups is not None:  # 0 is an empty source here; a pipeline needs >= 1
             check_int("EpisodeSource.num_groups (or None: endless)", num_groups, 0)
-        check_int("EpisodeSource.group_size", group_size, 1)
-        check_int("EpisodeSource.redundancy", redundancy, 0)
-        check_int("EpisodeSource.seed", seed, 0)
+        check_fields(  # SourceSettings' checks, the one place these rules live
+            "EpisodeSource", SourceSettings, group_size=group_size, redundancy=redundancy, seed=seed
+        )
         self.num_groups = num_groups
         self.group_size = group_size
         self.redundancy = redundancy

@@ -20,9 +20,10 @@ from typing import Any
 import attrs
 from torchdata.nodes import BaseNode
 
-from rollpipe._utils.checks import check_int, check_timeout, int_in, seconds_or_none
+from rollpipe._utils.checks import check_fields, check_int, int_in, seconds_or_none
 from rollpipe.agent.env_errors import error_entry
 from rollpipe.agent.records import Group, Trajectory
+from rollpipe.nodes.episode_source import SourceSettings
 from rollpipe.nodes.error_runs import ErrorRun, ErrorRuns
 from rollpipe.nodes.group_rules import (
     DROP_RULES,
@@ -158,11 +159,16 @@ class GroupAssembler(BaseNode[Group]):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__()
-        check_int("GroupAssembler.max_drops_in_a_row", max_drops_in_a_row, 1)
-        check_int("GroupAssembler.max_errors_in_a_row", max_errors_in_a_row, 1)
-        check_timeout("GroupAssembler.max_error_seconds", max_error_seconds)
-        check_int("GroupAssembler.group_size", group_size, 1)
-        check_int("GroupAssembler.redundancy", redundancy, 0)
+        check_fields(  # GroupSettings' checks, the one place these rules live
+            "GroupAssembler",
+            GroupSettings,
+            keep_group=keep_group,
+            drop_group=drop_group,
+            max_drops_in_a_row=max_drops_in_a_row,
+            max_errors_in_a_row=max_errors_in_a_row,
+            max_error_seconds=max_error_seconds,
+        )
+        check_fields("GroupAssembler", SourceSettings, group_size=group_size, redundancy=redundancy)
         if max_staleness is not None:
             check_int("GroupAssembler.max_staleness (or None)", max_staleness, 0)
             if current_version is None:
