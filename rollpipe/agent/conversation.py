@@ -89,7 +89,7 @@ class Conversation:
     ``spec`` names the episode (its seed and id derive each turn's sampling seed, its id
     routes the requests); ``chat`` renders; ``sampling`` is the run's sampling, each
     request's overrides applied on top; ``clock`` counts where the time went (shared with
-    the episode's env calls); ``route`` is the routing session its requests are made in.
+    the episode's env calls); ``route`` is the routing key its requests are made in.
     """
 
     structured = False  # whether an env is stepped with the parsed action (chat envs)
@@ -227,7 +227,7 @@ class TextConversation(Conversation):
         """The next turn's engine prompt, what it adds to the row, that packed, and
         whether the template broke the prefix (never, for text)."""
         added, packed = self.chat.packed_turn_prompt(observation, self.turns)
-        if self.windowed:
+        if packed is None:  # window mode: a fresh step prompt, not appended
             return added, added, None, False
         self.context.extend_packed(added, packed)  # bounds read from the row's own ids
         return self.context.view(), added, packed, False

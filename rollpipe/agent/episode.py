@@ -178,7 +178,7 @@ class EpisodeSettings:
         )
 
 
-def _conversation(
+def _chat_conversation(
     spec: EpisodeSpec,
     chat: ChatFormat,
     env: Any,
@@ -186,13 +186,13 @@ def _conversation(
     sampling: SamplingParams,
     clock: Clock,
     route: Route,
-) -> Conversation:
+) -> ChatConversation | None:
     """A chat conversation for a chat env (tools, message observations or structured
-    actions), else a text one: text envs keep the text path exactly."""
+    actions), else None: text envs keep the text conversation."""
     tools = env_tools(env)
     structured = takes_action(env)
     if not (tools or structured or not isinstance(observation, str)):
-        return TextConversation(spec, chat, sampling, clock, route)
+        return None
     return ChatConversation(
         spec, chat, sampling, clock, route, tools=tool_set(tools), structured=structured
     )
@@ -264,7 +264,7 @@ async def run_episode(
         return check_step(env, result)
 
     route = Route(spec.episode_id)
-    conv: Conversation = TextConversation(spec, chat, s.sampling, clock, route)  # until reset
+    conv: Conversation = TextConversation(spec, chat, s.sampling, clock, route)
     end_reason: EndReason = "max_turns"
     error: str | None = None
     failure: EnvFailed | None = None
@@ -280,7 +280,8 @@ async def run_episode(
             observation, info = await call_env("reset", 0, reset, spec.seed, **row)
             success = bool(info.get("success", False))
             try:
-                conv = _conversation(spec, chat, env, observation, s.sampling, clock, route)
+                talk = _chat_conversation(spec, chat, env, observation, s.sampling, clock, route)
+                conv = conv if talk is None else talk
             except ValueError as exc:  # tools without a schema, a window with a chat env
                 raise EnvFailed(exc, f"{type(env).__name__}.tools: {call_env.episode(0)}") from exc
             for t in range(s.max_turns):
@@ -304,7 +305,11 @@ async def run_episode(
                     raise EnvFailed(exc, f"{where}, generation_timeout_s={exc.limit}") from exc
                 text, action = conv.read(gen.token_ids)
                 shown = messages_text(observation)
-                fields = {"action_text": text, "observation": shown, "prefix_break": broke}
+                fields: dict[str, Any] = {
+                    "action_text": text,
+                    "observation": shown,
+                    "prefix_break": broke,
+                }
                 fields["prompt_array"] = packed
                 conv.responded(gen)
                 if gen.finish_reason == "length" and on_length != "step":

@@ -24,14 +24,6 @@ from typing import Any, ClassVar
 import attrs
 
 from rollpipe._utils.checks import int_at_least
-from rollpipe.envs.parsing import (
-    DEFAULT_ANSWER_FORMAT,
-    DEFAULT_ANSWER_PATTERN,
-    action_lookup,
-    compile_answer_pattern,
-    parse_action,
-)
-
 from rollpipe.agent.env_contract import (  # the contract the episode calls, re-exported
     AsyncTextEnv,
     ChatEnv,
@@ -44,6 +36,13 @@ from rollpipe.agent.env_contract import (  # the contract the episode calls, re-
     is_async_env,
     is_blocking,
     takes_action,
+)
+from rollpipe.envs.parsing import (
+    DEFAULT_ANSWER_FORMAT,
+    DEFAULT_ANSWER_PATTERN,
+    action_lookup,
+    compile_answer_pattern,
+    parse_action,
 )
 
 __all__ = [
