@@ -47,7 +47,6 @@ from rollpipe.frontdoor.forced import forced_outputs
 from rollpipe.frontdoor.requests import ChatRequest, RequestError, parse_chat_request
 from rollpipe.frontdoor.responses import completion_body, models_body
 from rollpipe.frontdoor.session import AgentSession, Prompt
-from rollpipe.frontdoor.stops import cut_at_stop
 from rollpipe.frontdoor.streaming import StreamedAnswer, engine_failed
 
 __all__ = ["FrontDoor", "SessionTimeoutError"]
@@ -311,21 +310,13 @@ class FrontDoor:
         (``forced.py``); ``RequestError`` before anything is sent."""
         if session.finished:  # it ended while this request waited for the lock
             raise RequestError("the session finished", None, 401, "authentication_error")
-        prompt = session.prompt_for(request)
-        budget = self.settings.max_length - len(prompt.ids)
-        if budget < 1:
-            raise RequestError(
-                f"the prompt has {len(prompt.ids)} tokens, max_length is "
-                f"{self.settings.max_length}: shorten the messages",
-                "messages",
-                code="context_length_exceeded",
-            )
         outputs, json_calls = None, False
         if request.tool_choice in ("required", "function"):
             chat = self.chat
             outputs, json_calls = forced_outputs(request, chat.tokenizer, self._parsers())
         self._check_engine(request, outputs)
-        return prompt, session.sampling(request, budget, outputs), json_calls
+        prompt, params = session.prepare(request, self.settings.max_length, outputs)
+        return prompt, params, json_calls
 
     def _parsers(self) -> Any:
         """vLLM's composed parser class for the door's parsers (None: none set), built
@@ -344,14 +335,11 @@ class FrontDoor:
         json_calls: bool,
     ) -> dict[str, Any]:
         try:
-            gen = await session.generate(self.engine, self.settings, prompt, params)
+            gen, action, message = await session.complete(
+                self.engine, self.settings, request, prompt, params, json_calls
+            )
         except (GenerationTimeoutError, EngineError) as exc:
             raise engine_failed(session, exc) from exc
-        gen, text = cut_at_stop(gen, request.stop, self.chat.decode_for_parsing)
-        constrained = params.structured_outputs is not None
-        action, message = session.record(
-            request, prompt, gen, text, json_calls=json_calls, constrained=constrained
-        )
         return completion_body(
             completion_id=self._completion_id(session),
             model=self.model_name,

@@ -39,6 +39,7 @@ from rollpipe.engines.protocol import Engine, OnTokens
 from rollpipe.engines.records import Generation, SamplingParams
 from rollpipe.frontdoor.forced import forced_action
 from rollpipe.frontdoor.requests import ChatRequest, RequestError, normalise_message
+from rollpipe.frontdoor.stops import cut_at_stop
 
 __all__ = ["AgentSession", "Prompt"]
 
@@ -140,6 +141,22 @@ class AgentSession:
                 ) from exc
             raise
 
+    def prepare(
+        self, request: ChatRequest, max_length: int, outputs: Mapping[str, Any] | None
+    ) -> tuple[Prompt, SamplingParams]:
+        """The call's engine prompt and sampling (``outputs``: a forced call's grammar);
+        ``RequestError`` when the prompt leaves no room within ``max_length``."""
+        prompt = self.prompt_for(request)
+        budget = max_length - len(prompt.ids)
+        if budget < 1:
+            raise RequestError(
+                f"the prompt has {len(prompt.ids)} tokens, max_length is {max_length}: "
+                "shorten the messages",
+                "messages",
+                code="context_length_exceeded",
+            )
+        return prompt, self.sampling(request, budget, outputs)
+
     # -- generating ---------------------------------------------------------------------
     def sampling(
         self, request: ChatRequest, budget: int, outputs: Mapping[str, Any] | None
@@ -173,6 +190,25 @@ class AgentSession:
             timeout_s=settings.generation_timeout_s,
             on_tokens=on_tokens,
         )
+
+    async def complete(
+        self,
+        engine: Engine,
+        settings: EpisodeSettings,
+        request: ChatRequest,
+        prompt: Prompt,
+        params: SamplingParams,
+        json_calls: bool = False,
+    ) -> tuple[Generation, AssistantAction, dict[str, Any]]:
+        """One unstreamed call: generated, cut at the request's ``stop`` strings, recorded;
+        the answer (as cut), the parsed action and its assistant message."""
+        gen = await self.generate(engine, settings, prompt, params)
+        gen, text = cut_at_stop(gen, request.stop, self.chat.decode_for_parsing)
+        constrained = params.structured_outputs is not None
+        action, message = self.record(
+            request, prompt, gen, text, json_calls=json_calls, constrained=constrained
+        )
+        return gen, action, message
 
     # -- recording ----------------------------------------------------------------------
     def record(
