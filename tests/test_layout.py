@@ -398,10 +398,9 @@ def test_every_public_name_resolves():
 
 
 TRAINING = "rollpipe.training"
-TRAINING_USERS = {"rollpipe", "rollpipe.cli", "rollpipe.engines.tiny_model"}
-"""What may import the training package: the lazy re-export table (``RolloutBuffer``), the
-CLI (``rollpipe train``) and ``rollpipe.engines.tiny_model``, the tiny model's old path
-(a shim that imports ``rollpipe.training.tiny_model`` only on first attribute access)."""
+TRAINING_USERS = {"rollpipe", "rollpipe.cli"}
+"""What may import the training package: the lazy re-export table (``RolloutBuffer``,
+the tiny model) and the CLI (``rollpipe train``, its default model)."""
 
 
 def test_the_rollout_core_does_not_import_training() -> None:

@@ -1,50 +1,15 @@
-"""Moved: the built-in tiny model now lives in :mod:`rollpipe.training.tiny_model` (it is
-demo and training material, not part of the rollout core).
+"""Moved: the built-in tiny model lives in :mod:`rollpipe.training.tiny_model` (demo and
+training material, not part of the rollout core, which never imports it).
 
-This old path still imports: ``from rollpipe.engines.tiny_model import default_model_path``
-looks each name up in the new module on first access, so importing ``rollpipe.engines``
-(or this module) never loads ``rollpipe.training``.
+Importing this old path fails at once, saying where to import from: a forwarding shim
+here would be an import from the engines up into training, the one arrow the layout
+keeps out. ``from rollpipe import build_tiny_model, default_model_path`` works as it
+always did.
 """
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from rollpipe.training.tiny_model import (
-        CHAT_TEMPLATE,
-        EOS_TOKEN,
-        PAD_TOKEN,
-        SPECIAL_TOKENS,
-        TOOL_TOKENS,
-        TOOLS_CHAT_TEMPLATE,
-        build_tiny_model,
-        default_model_path,
-    )
-
-__all__ = [
-    "CHAT_TEMPLATE",
-    "EOS_TOKEN",
-    "PAD_TOKEN",
-    "SPECIAL_TOKENS",
-    "TOOLS_CHAT_TEMPLATE",
-    "TOOL_TOKENS",
-    "build_tiny_model",
-    "default_model_path",
-]
-
-
-def __getattr__(name: str) -> Any:
-    """``name`` from :mod:`rollpipe.training.tiny_model`, imported on first use."""
-    if not (name.startswith("__") and name.endswith("__")):
-        from rollpipe.training import tiny_model
-
-        try:
-            return getattr(tiny_model, name)
-        except AttributeError:
-            pass
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+raise ImportError(
+    "rollpipe.engines.tiny_model moved to rollpipe.training.tiny_model: write "
+    "`from rollpipe.training.tiny_model import ...`, or `from rollpipe import "
+    "build_tiny_model, default_model_path` (the tiny model is demo material, kept out of "
+    "the engines)"
+)

@@ -6,6 +6,5 @@ The tiny local model the tests, examples and CLI run on (``tiny_model``, with
 model play (``expert``, ``sft``, ``warm_start``), held-out evaluation (``evaluate``), and
 classic on-policy PPO pieces (``ppo_buffer``: the seed's ``RolloutBuffer``, ``gae``,
 ``vector_collector``). Nothing in the rollout core imports this package (a layout test
-checks it); the CLI, ``rollpipe.RolloutBuffer`` and ``rollpipe.build_tiny_model`` do, and
-so does ``rollpipe.engines.tiny_model``, the tiny model's old path, on first use.
+checks it); the CLI, ``rollpipe.RolloutBuffer`` and ``rollpipe.build_tiny_model`` do.
 """

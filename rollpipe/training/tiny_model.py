@@ -10,7 +10,8 @@ byte-identical files (for the same ``tokenizers``/``safetensors`` versions).
 ``tools=True`` builds the tool-calling variant (``rollpipe.training.tiny_tools``): a
 Hermes-style template, ``<tool_call>`` markers as special tokens, ``<think>`` tokens.
 
-This module used to be ``rollpipe.engines.tiny_model``; that path still imports (a shim).
+This module used to be ``rollpipe.engines.tiny_model``; that path now fails at import,
+naming this one.
 """
 
 from __future__ import annotations
