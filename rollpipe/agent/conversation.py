@@ -160,20 +160,24 @@ class Conversation:
         self,
         added: Sequence[int],
         gen: Generation,
-        *,
-        reward: float,
-        action_valid: bool | None,
         action_text: str,
         observation: str,
-        **flags: Any,
+        reward: float,
+        action_valid: bool | None,
+        stepped: bool = True,
+        prefix_break: bool = False,
+        prompt_array: npt.NDArray[np.int64] | None = None,
+        new_row: bool = False,
+        constrained: bool = False,
     ) -> Turn:
-        """The turn of ``gen`` (its prompt part ``added``), kept; ``flags`` are the
-        :class:`Turn`'s other fields (``stepped``, ``prefix_break``, ...). An engine asked
-        for no logprobs returns none: each token records 0.0 (documented)."""
-        n = len(gen.token_ids)
+        """The turn of ``gen`` (its prompt part ``added``), kept; the rest are the
+        :class:`Turn`'s fields. An engine asked for no logprobs returns none: each token
+        records 0.0 (documented)."""
+        ids = gen.token_ids
+        n = len(ids)
         turn = Turn(
             prompt_ids=added,
-            response_ids=gen.token_ids,
+            response_ids=ids,
             logprobs=gen.logprobs if len(gen.logprobs) == n else (0.0,) * n,
             versions=gen.versions,
             reward=reward,
@@ -181,7 +185,11 @@ class Conversation:
             action_valid=action_valid,
             action_text=action_text,
             observation=observation,
-            **flags,
+            stepped=stepped,
+            prefix_break=prefix_break,
+            new_row=new_row,
+            constrained=constrained,
+            prompt_array=prompt_array,
         )
         self.turns.append(turn)
         return turn

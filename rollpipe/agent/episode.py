@@ -305,17 +305,11 @@ async def run_episode(
                     raise EnvFailed(exc, f"{where}, generation_timeout_s={exc.limit}") from exc
                 text, action = conv.read(gen.token_ids)
                 shown = messages_text(observation)
-                fields: dict[str, Any] = {
-                    "action_text": text,
-                    "observation": shown,
-                    "prefix_break": broke,
-                }
-                fields["prompt_array"] = packed
+                # record(added, gen, action_text, observation, reward, action_valid, stepped,
+                # prefix_break, prompt_array): positional, as every turn calls it
                 conv.responded(gen)
                 if gen.finish_reason == "length" and on_length != "step":
-                    conv.record(
-                        added, gen, **fields, reward=penalty, action_valid=False, stepped=False
-                    )
+                    conv.record(added, gen, text, shown, penalty, False, False, broke, packed)
                     if on_length == "end":
                         end_reason = "max_length"
                         break
@@ -324,13 +318,12 @@ async def run_episode(
                     stepped_with = action if conv.structured else text
                     step = await call_env("step", t, checked_step, stepped_with)
                 except EnvFailed:
-                    conv.record(added, gen, **fields, reward=0.0, action_valid=False, stepped=False)
+                    conv.record(added, gen, text, shown, 0.0, False, False, broke, packed)
                     raise
                 observation, reward, terminated, truncated, info = step
                 # an env that does not report action_valid: unknown (None), not invalid
-                conv.record(
-                    added, gen, **fields, reward=reward, action_valid=info.get("action_valid")
-                )
+                valid = info.get("action_valid")
+                conv.record(added, gen, text, shown, reward, valid, True, broke, packed)
                 success = bool(info.get("success", False))
                 try:
                     step_values, modes = step_metrics(info)

@@ -244,10 +244,10 @@ class AgentSession:
         self.conversation.record(
             prompt.added,
             gen,
+            action.text,
+            messages_text([_shown(m) for m in prompt.new]),
             reward=0.0,
             action_valid=None if not request.tools else not action.malformed,
-            action_text=action.text,
-            observation=messages_text([_shown(m) for m in prompt.new]),
             prefix_break=prompt.new_row,
             new_row=prompt.new_row,
             constrained=constrained,
