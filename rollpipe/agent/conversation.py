@@ -246,7 +246,7 @@ class ChatPrompt:
     """One chat turn's engine prompt: all of ``ids``; ``added`` is what it appends to the
     row (the whole prompt when ``new_row``); ``new`` the messages it added; ``dialog`` the
     conversation with them added, adopted by :meth:`ChatConversation.adopt`; ``tools``
-    the tool schemas rendered; ``prefix_break`` whether the template broke the prefix."""
+    the tool schemas rendered."""
 
     ids: CheckedIds
     added: list[int]
@@ -254,7 +254,6 @@ class ChatPrompt:
     new: tuple[dict[str, Any], ...]
     dialog: Dialog
     tools: tuple[dict[str, Any], ...] = ()
-    prefix_break: bool = False
 
 
 class ChatConversation(Conversation):
@@ -279,7 +278,6 @@ class ChatConversation(Conversation):
         self.structured = structured  # the env steps with the action, not the text
         self.dialog: Dialog | None = None if tools is None else self._dialog(tools, system)
         self.tools: tuple[dict[str, Any], ...] = ()  # the schemas the current row renders
-        self.rows = 0
         self.prefix_breaks = 0
 
     def _dialog(self, tools: ToolSet, system: bool) -> Dialog:
@@ -340,16 +338,13 @@ class ChatConversation(Conversation):
         started = self._dialog(tool_set(), system=False)
         ids = started.first_prompt(messages)
         new_row = bool(self.turns)
-        return ChatPrompt(
-            CheckedIds(ids), ids, new_row, tuple(messages), started, tools, prefix_break=new_row
-        )
+        return ChatPrompt(CheckedIds(ids), ids, new_row, tuple(messages), started, tools)
 
     def adopt(self, prompt: ChatPrompt, gen: Generation) -> None:
         """Make ``prompt`` and its answer ``gen`` the conversation's (a new row when the
         prompt starts one)."""
         if prompt.new_row or self.dialog is None:
             self.tools = prompt.tools
-            self.rows += 1
             self.prefix_breaks += prompt.new_row
         self.dialog = prompt.dialog
         self.context = prompt.ids.extended(gen.token_ids)  # prompt.ids stays the prompt
