@@ -170,9 +170,12 @@ def _register_builtins() -> None:
     from rollpipe.envs.lookup import lookup_env
     from rollpipe.envs.sokoban import Sokoban
     from rollpipe.envs.task import PromptTask
+    from rollpipe.envs.visual_envs import VisualFrozenLake, VisualSokoban
 
     register("frozenlake", FrozenLake)
     register("sokoban", Sokoban)
+    register("frozenlake_visual", VisualFrozenLake)  # the grid as an image (content parts)
+    register("sokoban_visual", VisualSokoban)
     register("task", PromptTask)
     register("calculator", calculator_env)
     register("lookup", lookup_env)
