@@ -151,6 +151,10 @@ LONGER_MODULES: dict[str, str] = {
     "with their checkpoint round-trips: one data model, read together",
     "rollpipe.data.proto.dataproto": "verl's DataProto, one class with its 29 public methods "
     "(its helpers are already the private modules beside it)",
+    "rollpipe.agent.chat": "ChatFormat, the one place a prompt is rendered and tokenized, "
+    "with the tokenizer shortcuts it takes (each exactly the general path's result)",
+    "rollpipe.agent.conversation": "the one conversation: its state, its turn's sampling, "
+    "its engine request and the records it builds (a turn is built nowhere else)",
     "rollpipe.pipeline": "RolloutPipeline, one class: ROLL's scheduler API, each public method "
     "with its runnable example (the chain it drives is chain.py)",
 }
@@ -483,9 +487,8 @@ TURN_BUILDING = {"Turn", "Trajectory", "generate_turn", "stopping_at_end_of_turn
 def test_one_conversation_builds_every_turn() -> None:
     """One conversation implementation serves the env episode and the front door: only
     ``rollpipe.agent.conversation`` requests a turn, builds a ``Turn`` or a
-    ``Trajectory`` (``records`` defines them; ``engine_request`` is the request itself),
-    and both drivers go through it."""
-    allowed = {CONVERSATION, "rollpipe.agent.records", "rollpipe.agent.engine_request"}
+    ``Trajectory`` (``records`` defines them), and both drivers go through it."""
+    allowed = {CONVERSATION, "rollpipe.agent.records"}
     copies = {
         name: hits
         for name, path in _modules().items()

@@ -14,8 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollpipe.agent.chat import ChatFormat
-from rollpipe.agent.conversation import stopping_at_end_of_turn
-from rollpipe.agent.engine_request import generate_turn
+from rollpipe.agent.conversation import generate_turn, stopping_at_end_of_turn
 from rollpipe.agent.env_caller import Clock
 from rollpipe.agent.env_returns import EnvReturnError, check_step
 from rollpipe.agent.episode import EpisodeSettings, run_episode

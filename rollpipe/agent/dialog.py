@@ -48,7 +48,7 @@ from typing import Any
 
 from rollpipe.agent.actions import AssistantAction
 from rollpipe.agent.chat import ChatFormat
-from rollpipe.agent.messages import as_messages
+from rollpipe.agent.env_returns import as_messages
 from rollpipe.agent.parsers import ResponseParser
 from rollpipe.agent.tools import ToolSet
 

@@ -47,7 +47,7 @@ class EnvCaller:
         self,
         env: Any,
         spec: EpisodeSpec,
-        threads: EnvThreads,
+        threads: EnvThreads | None,
         timeout: float | None,
         lease: EnvLease | None,
         force_threads: bool,
@@ -89,6 +89,7 @@ class EnvCaller:
                 if self.lease is not None:
                     self.lease.call_started()
                 on_return = None if self.lease is None else self.lease.call_returned
+                assert self.threads is not None, "a blocking env's episode has threads"
                 result = await self.threads.call(fn, arg, timeout=self.timeout, on_return=on_return)
             if type(result) is not tuple and inspect.isawaitable(result):  # tuple: the usual
                 result = await self._awaited(result)

@@ -1,9 +1,10 @@
-"""What an env must return, checked where it returns it.
+"""What an env must return, and the chat messages it may answer with, checked where it
+returns them.
 
 ``reset(seed)`` returns ``(observation: str, info: dict)``; ``step(action_text)`` returns
 ``(observation: str, reward: real number, terminated: bool, truncated: bool, info:
 dict)``; a chat env's observation may be a list of chat messages instead of a string
-(:mod:`rollpipe.agent.messages`), returned as a tuple of checked message dicts. A return
+(below), returned as a tuple of checked message dicts. A return
 of another shape, a non-finite reward (NaN, inf, or beyond float32,
 where rows store it) or a reward that is not a number (``"1.5"``) fails the *episode*
 like an env that raised — its group is dropped and replaced, counted under
@@ -12,6 +13,12 @@ value with its type, instead of ending the whole stream with a bare TypeError la
 
     FrozenLake.step: reward is nan; a reward must be a finite number
     FrozenLake.step: observation must be a str, got int 5
+
+A chat env's ``reset`` / ``step`` may return, instead of an observation string, a list
+of messages: ``{"role": "user", "content": str}`` or ``{"role": "tool", "content": str,
+"tool_call_id": str, "name": str}`` (id and name optional: templates that show them need
+them). A string is one user message. Anything else fails the episode with a message
+naming the env call, the index and the field.
 """
 
 from __future__ import annotations
@@ -19,20 +26,80 @@ from __future__ import annotations
 import math
 import numbers
 import reprlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from rollpipe.agent.messages import check_messages
-
-__all__ = ["EnvReturnError", "check_reset", "check_step", "clip_reward"]
+__all__ = [
+    "ENV_ROLES",
+    "EnvReturnError",
+    "as_messages",
+    "check_messages",
+    "check_reset",
+    "check_step",
+    "clip_reward",
+    "messages_text",
+]
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _SHAPES = {
     "reset": "(observation: str, info: dict)",
     "step": "(observation: str, reward: float, terminated: bool, truncated: bool, info: dict)",
 }
+
+
+ENV_ROLES = ("user", "tool")
+_OPTIONAL = ("tool_call_id", "name")
+
+
+def check_messages(where: str, value: Any) -> tuple[dict[str, str], ...]:
+    """``value`` (a list of message dicts) as checked plain dicts; ``ValueError`` naming
+    ``where`` (e.g. ``"Calc.step: observation"``), the index and the field otherwise."""
+    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)) or not value:
+        raise ValueError(
+            f"{where} must be a str or a non-empty list of chat messages, got "
+            f"{type(value).__name__} {reprlib.repr(value)}"
+        )
+    out = []
+    for i, message in enumerate(value):
+        if not isinstance(message, Mapping):
+            raise ValueError(f"{where}[{i}] must be a dict, got {type(message).__name__}")
+        role, content = message.get("role"), message.get("content")
+        if role not in ENV_ROLES:
+            raise ValueError(f"{where}[{i}]['role'] is {role!r}; an env answers as {ENV_ROLES}")
+        if not isinstance(content, str):
+            raise ValueError(f"{where}[{i}]['content'] must be a str, got {type(content).__name__}")
+        checked = {"role": role, "content": content}
+        for key in _OPTIONAL:
+            if message.get(key) is not None:
+                if not isinstance(message[key], str):
+                    raise ValueError(f"{where}[{i}][{key!r}] must be a str, got {message[key]!r}")
+                checked[key] = message[key]
+        unknown = sorted(set(message) - {"role", "content", *_OPTIONAL})
+        if unknown:
+            raise ValueError(f"{where}[{i}] has unknown keys {unknown}")
+        out.append(checked)
+    return tuple(out)
+
+
+def as_messages(observation: str | Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
+    """An observation as messages: a string is one user message."""
+    if isinstance(observation, str):
+        return [{"role": "user", "content": observation}]
+    return [dict(m) for m in observation]
+
+
+def messages_text(observation: str | Sequence[Mapping[str, str]]) -> str:
+    """An observation as one string (``Turn.observation``, step rows' ``observations``):
+    a string as it is; messages as their contents, tool results prefixed with the tool."""
+    if isinstance(observation, str):
+        return observation
+    parts = []
+    for m in observation:
+        head = f"[{m['role']} {m['name']}] " if m["role"] == "tool" and m.get("name") else ""
+        parts.append(head + m["content"])
+    return "\n".join(parts)
 
 
 class EnvReturnError(TypeError):

@@ -30,7 +30,7 @@ Outcomes, each defined (never a hang):
   response is discarded and the same turn is regenerated once ``admit()`` lets it.
 
 Each step's ``info["metrics"]`` is aggregated into ``Trajectory.env_metrics`` as ROLL's
-env managers do (see :mod:`rollpipe.agent.env_metrics`).
+env managers do (see :mod:`rollpipe.agent.env_contract`).
 
 Chat envs (``rollpipe.envs.base.ChatEnv``: the env declares ``tools``, answers with chat
 messages, or sets ``step_input = "action"``) run through a
@@ -54,13 +54,17 @@ from rollpipe._utils.checks import float_in, instance_of, int_in, one_of, option
 from rollpipe.agent.chat import DEFAULT_SYSTEM_PROMPT, ChatFormat, parser_name
 from rollpipe.agent.conversation import ChatConversation, Conversation, TextConversation
 from rollpipe.agent.env_caller import Clock, EnvCaller
-from rollpipe.agent.env_contract import env_tools, takes_action
+from rollpipe.agent.env_contract import (
+    aggregate_metrics,
+    env_tools,
+    is_blocking,
+    step_metrics,
+    takes_action,
+)
 from rollpipe.agent.env_errors import EnvFailed
-from rollpipe.agent.env_metrics import aggregate_metrics, step_metrics
-from rollpipe.agent.env_returns import check_reset, check_step, clip_reward
+from rollpipe.agent.env_returns import check_reset, check_step, clip_reward, messages_text
 from rollpipe.agent.env_threads import EnvLease, EnvThreads
 from rollpipe.agent.generation_timeout import GenerationTimeoutError
-from rollpipe.agent.messages import messages_text
 from rollpipe.agent.records import EndReason, EpisodeSpec, Trajectory
 from rollpipe.agent.tools import tool_set
 from rollpipe.engines.protocol import Engine
@@ -251,8 +255,9 @@ async def run_episode(
     chat = chat.for_env(env)  # an env's own system prompt, if it declares one
     reward_clip, on_length, penalty = s.reward_clip, s.on_length, s.cut_turn_reward
     clock = Clock()
-    own_threads = env_threads is None  # run_episode alone: one thread, if the env blocks
-    threads = EnvThreads(1, "rollpipe-episode-env") if env_threads is None else env_threads
+    # run_episode alone: one thread of its own, only if the env's calls go to threads
+    own_threads = env_threads is None and (env_calls_on_threads or is_blocking(env))
+    threads = EnvThreads(1, "rollpipe-episode-env") if own_threads else env_threads
     call_env = EnvCaller(
         env, spec, threads, s.env_timeout_s, env_lease, env_calls_on_threads, clock
     )
@@ -339,7 +344,7 @@ async def run_episode(
                 failed.reraise()
             end_reason, error, failure = "error", str(failed), failed
         finally:
-            if own_threads:
+            if own_threads and threads is not None:
                 threads.close(0.0)  # its thread ends once idle (or once a hung call returns)
     return conv.trajectory(
         env_id=env_id,

@@ -274,7 +274,7 @@ class Trajectory:
     ``"FrozenLake.step"`` or ``"engine request"``). ``history_window`` is the
     ``ChatFormat`` mode the prompts were built in (``None``: one growing conversation).
     ``env_metrics`` are the env's step ``info["metrics"]`` aggregated over the episode
-    (``rollpipe.agent.env_metrics``); they take part in equality, not in hashing.
+    (``rollpipe.agent.env_contract``); they take part in equality, not in hashing.
 
     Examples:
         >>> turn = Turn([1, 2], [3, 4], [-0.5, -0.2], [5, 6], 1.0, "stop", True, "Up", "Move?")

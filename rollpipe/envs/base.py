@@ -4,7 +4,7 @@ An environment speaks text: ``reset(seed)`` gives the first observation (instruc
 legend, grid) and ``step(action_text)`` takes the model's raw response. ``info`` always
 holds ``action_valid``, ``action`` (canonical action or None) and ``success``; ``step``
 adds ``format_penalty_applied``, and may add ROLL's ``metrics`` / ``metrics_agg_mode``
-(see :mod:`rollpipe.agent.env_metrics`). Blocking envs implement :class:`TextEnv`; envs that
+(see :mod:`rollpipe.agent.env_contract`). Blocking envs implement :class:`TextEnv`; envs that
 do I/O implement :class:`AsyncTextEnv` (same signatures, ``async``).
 
 A :class:`ChatEnv` talks in chat messages and tool calls: it may declare ``tools``

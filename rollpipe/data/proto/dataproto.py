@@ -19,7 +19,6 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
 
-from rollpipe.data.proto import _arguments as args
 from rollpipe.data.proto._equality import values_equal
 from rollpipe.data.proto._indexing import (
     check_count,
@@ -40,10 +39,16 @@ from rollpipe.data.proto.columns import (
     check_fields,
     check_keys,
     check_rename,
+    check_slice,
     check_union,
     coerce_columns,
     concat_columns,
+    concat_parts,
+    device_arg,
     keys_arg,
+    mapping_arg,
+    object_columns,
+    plain_dicts,
     short_repr,
 )
 
@@ -101,8 +106,8 @@ class DataProto:
                 "dict of tensors"
             )
         self.batch: TensorDictBase | None = batch
-        self.non_tensor_batch = args.object_columns(non_tensor_batch)
-        self.meta_info: dict[str, Any] = dict(args.mapping_arg(meta_info, "meta_info"))
+        self.non_tensor_batch = object_columns(non_tensor_batch)
+        self.meta_info: dict[str, Any] = dict(mapping_arg(meta_info, "meta_info"))
         self.check_consistency()
 
     @property
@@ -151,7 +156,7 @@ class DataProto:
             >>> len(batch), batch.keys(), batch.meta_info
             (2, ['input_ids', 'uid'], {'step': 3})
         """
-        batch, columns = build_columns(*args.plain_dicts(tensors=tensors, non_tensors=non_tensors))
+        batch, columns = build_columns(*plain_dicts(tensors=tensors, non_tensors=non_tensors))
         return cls(batch=batch, non_tensor_batch=columns, meta_info=meta_info)
 
     @classmethod
@@ -165,7 +170,7 @@ class DataProto:
             >>> batch.batch["x"].shape, batch.non_tensor_batch["uid"]
             (torch.Size([2, 3]), array(['a', 'b'], dtype=object))
         """
-        data = args.mapping_arg(data, "from_single_dict: data", "a dict of columns", False)
+        data = mapping_arg(data, "from_single_dict: data", "a dict of columns", False)
         tensors = {k: v for k, v in data.items() if isinstance(v, Tensor)}
         others = {k: v for k, v in data.items() if not isinstance(v, Tensor)}
         return cls.from_dict(tensors=tensors, non_tensors=others, meta_info=meta_info)
@@ -335,7 +340,7 @@ class DataProto:
             >>> batch["x"]
             tensor([9, 1, 2, 3, 4, 5])
         """
-        args.check_slice(start, end, step)
+        check_slice(start, end, step)
         if step is not None and step <= 0:
             if step == 0:
                 raise ValueError(f"slice step must not be 0, got slice({start}, {end}, {step})")
@@ -510,7 +515,7 @@ class DataProto:
             self.update({k: other[k] for k in list(other.keys())})
             self.meta_info.update(other.meta_info)
             return self
-        other = args.mapping_arg(other, "update: the argument", "a DataProto or a dict", False)
+        other = mapping_arg(other, "update: the argument", "a DataProto or a dict", False)
         values, n = coerce_columns(other, len(self) if self.keys() else None)
         self.batch = assign_columns(self.batch, self.non_tensor_batch, values, n or 0)
         self.check_consistency()
@@ -529,7 +534,7 @@ class DataProto:
             >>> both["x"], both.meta_info
             (tensor([0, 1, 0]), {'metrics': {'m': [1, 2]}})
         """
-        parts = args.concat_parts(data, DataProto)
+        parts = concat_parts(data, DataProto)
         batch, columns = concat_columns([(p.batch, p.non_tensor_batch, len(p)) for p in parts])
         return cls(batch, columns, merge_meta_info([p.meta_info for p in parts]))
 
@@ -608,7 +613,7 @@ class DataProto:
             (True, device(type='cpu'))
         """
         if self.batch is not None:
-            self.batch = self.batch.to(args.device_arg(device))
+            self.batch = self.batch.to(device_arg(device))
         return self
 
     def clone(self) -> DataProto:
