@@ -141,9 +141,9 @@ def check_parts(parts: Any, where: str = "observation") -> list[ContentPart]:
             raise ContentError(f"{at}['type'] is {kind!r}; {_PART_RULE}")
         unknown = sorted(set(part) - {"type", kind})
         if unknown:
-            raise ContentError(f"{at} (a {kind} part) has unknown keys {unknown}; {_PART_RULE}")
+            raise ContentError(f"{at} (a {kind!r} part) has unknown keys {unknown}; {_PART_RULE}")
         if kind not in part:
-            raise ContentError(f"{at} (a {kind} part) has no {kind!r} key; {_PART_RULE}")
+            raise ContentError(f"{at} (a {kind!r} part) has no {kind!r} key; {_PART_RULE}")
         value = part[kind]
         if kind == "text" and not isinstance(value, str):
             raise ContentError(f"{at}['text'] must be a str, got {type(value).__name__}")

@@ -26,6 +26,7 @@ import numpy as np
 
 __all__ = [
     "FROZENLAKE_TILES",
+    "MAX_CELL_SIZE",
     "MIN_CELL_SIZE",
     "SOKOBAN_TILES",
     "Shape",
@@ -142,13 +143,13 @@ AGENT_RED: RGB = (220, 30, 30)  # red
 FROZENLAKE_TILES: Mapping[str, Tile] = {
     "_": Tile(ICE),
     "H": Tile(ICE, (("disc", HOLE_BLUE, 0.45),)),
-    "G": Tile(ICE, (("diamond", GOAL_GOLD, 0.45),)),
-    "P": Tile(ICE, (("disc", AGENT_RED, 0.3),)),
-    "X": Tile(ICE, (("disc", HOLE_BLUE, 0.45), ("disc", AGENT_RED, 0.3))),
-    "W": Tile(ICE, (("diamond", GOAL_GOLD, 0.45), ("disc", AGENT_RED, 0.3))),
+    "G": Tile(ICE, (("square", GOAL_GOLD, 0.38),)),
+    "P": Tile(ICE, (("disc", AGENT_RED, 0.28),)),
+    "X": Tile(ICE, (("disc", HOLE_BLUE, 0.45), ("disc", AGENT_RED, 0.28))),
+    "W": Tile(ICE, (("square", GOAL_GOLD, 0.38), ("disc", AGENT_RED, 0.28))),
 }
 """FrozenLake's cells (the text grid's ``_ H P G X W``): light blue ice, a dark blue disc
-for a hole, a gold diamond for the goal, a small red disc for you."""
+for a hole, a gold square for the goal, a small red disc for you."""
 
 WALL: RGB = (110, 60, 30)  # brown
 FLOOR: RGB = (215, 215, 215)  # light grey

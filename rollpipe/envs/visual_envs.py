@@ -164,7 +164,7 @@ class VisualFrozenLake(VisualGridEnv):
         >>> obs, info = env.reset(seed=0)
         >>> print(text_of_parts(obs))
         FrozenLake: walk from P to the goal G on the ice; stepping into a hole H loses.
-        Legend (the image): light blue ice, dark blue disc a hole, gold diamond the goal,
+        Legend (the image): light blue ice, dark blue disc a hole, gold square the goal,
         small red disc you.
         Answer with one action (Left, Down, Right or Up), e.g. <answer>Left</answer>
         The grid:
@@ -181,7 +181,7 @@ class VisualFrozenLake(VisualGridEnv):
 
     tiles: ClassVar[Mapping[str, Tile]] = FROZENLAKE_TILES
     image_legend: ClassVar[str] = (
-        "Legend (the image): light blue ice, dark blue disc a hole, gold diamond the goal, "
+        "Legend (the image): light blue ice, dark blue disc a hole, gold square the goal, "
         "small red disc you."
     )
     blocking: ClassVar[bool] = False
