@@ -14,13 +14,14 @@ token ids come with the last chunk.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from rollpipe.agent.parsers import call_id
+from rollpipe.engines.records import Generation
 from rollpipe.frontdoor.forced import vllm_request
 from rollpipe.frontdoor.requests import ChatRequest
-from rollpipe.frontdoor.responses import delta_of
+from rollpipe.frontdoor.responses import delta_of, logprobs_body
 
 __all__ = ["ChunkStream", "StreamBroken", "parser_class"]
 
@@ -64,7 +65,7 @@ class ChunkStream:
         turn: int,
     ) -> None:
         self.head = {**head, "object": "chat.completion.chunk"}
-        self.request, self.decode, self.turn = request, decode, turn
+        self.request, self.decode, self.tokenizer, self.turn = request, decode, tokenizer, turn
         self.prompt_ids = prompt_ids
         self.ids: list[int] = []
         self.fed = 0  # ids given to the parser so far
@@ -155,11 +156,23 @@ class ChunkStream:
             known["name"] += fn.get("name") or ""
             known["arguments"] += fn.get("arguments") or ""
 
-    def whole_calls(self, message: dict[str, Any]) -> list[dict[str, Any]]:
-        """For a forced call with no streaming parser: the calls of the recorded
-        ``message`` in one delta (their text was never streamed)."""
+    def closing(self, message: Mapping[str, Any], gen: Generation) -> list[dict[str, Any]]:
+        """The chunks that end the answer ``gen`` once its ``message`` is recorded: for a
+        forced call with no streaming parser its calls, in one delta (their text was never
+        streamed); the last chunk (:meth:`last`); the usage, if the request asked."""
+        chunks = []
         calls = [{"index": i, **c} for i, c in enumerate(message.get("tool_calls") or ())]
-        return [self._chunk({"tool_calls": calls})] if calls else []
+        if self.whole and calls:
+            chunks.append(self._chunk({"tool_calls": calls}))
+        finish = "tool_calls" if message.get("tool_calls") else gen.finish_reason
+        logprobs = logprobs_body(self.tokenizer, gen) if self.request.logprobs else None
+        ids = list(gen.token_ids) if self.request.return_token_ids else None
+        chunks.append(self.last(finish, logprobs, ids))
+        if self.request.include_usage:
+            n, m = len(self.prompt_ids), len(gen.token_ids)
+            usage = {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+            chunks.append({**self.head, "choices": [], "usage": usage})
+        return chunks
 
     def message(self) -> dict[str, Any]:
         """The assistant message the deltas sent add up to."""

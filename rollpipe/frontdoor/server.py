@@ -26,7 +26,6 @@ Examples:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import json
@@ -38,16 +37,15 @@ from aiohttp import web
 
 from rollpipe.agent.chat import ChatFormat
 from rollpipe.agent.episode import EpisodeSettings
-from rollpipe.agent.generation_timeout import GenerationTimeoutError
 from rollpipe.agent.records import EpisodeSpec, Trajectory
 from rollpipe.engines.protocol import Engine, engine_supports
-from rollpipe.engines.records import EngineError, SamplingParams
+from rollpipe.frontdoor.answers import WholeAnswer
 from rollpipe.frontdoor.chunks import parser_class
 from rollpipe.frontdoor.forced import forced_outputs
 from rollpipe.frontdoor.requests import ChatRequest, RequestError, parse_chat_request
-from rollpipe.frontdoor.responses import completion_body, models_body
-from rollpipe.frontdoor.session import AgentSession, Prompt
-from rollpipe.frontdoor.streaming import StreamedAnswer, engine_failed
+from rollpipe.frontdoor.responses import models_body
+from rollpipe.frontdoor.session import AgentSession
+from rollpipe.frontdoor.streaming import StreamedAnswer
 
 __all__ = ["FrontDoor", "SessionTimeoutError"]
 
@@ -278,6 +276,8 @@ class FrontDoor:
         return web.json_response(models_body(self.model_name))
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
+        """One call: its session (by key), its body parsed, the call prepared by the
+        session and answered, whole or streamed; a ``RequestError`` as its error JSON."""
         try:
             session = self._session(request)
             try:
@@ -286,37 +286,26 @@ class FrontDoor:
                 raise RequestError(f"the body is not valid JSON: {exc}", None) from exc
             parsed = parse_chat_request(body, session.last_request)
             session.last_request = parsed
-            task = asyncio.current_task()
-            assert task is not None
-            session.in_flight.add(task)
-            try:
-                async with session.lock:
-                    prompt, params, json_calls = self._prepare(session, parsed)
-                    if parsed.stream:
-                        return await self._streamed(
-                            request, session, parsed, prompt, params, json_calls
-                        )
-                    body = await self._complete(session, parsed, prompt, params, json_calls)
-                    return web.json_response(body)
-            finally:
-                session.in_flight.discard(task)
+            async with session.answering():  # one call of the session at a time
+                outputs, json_calls = self._outputs(parsed)
+                call = session.prepare(parsed, self.settings.max_length, outputs, json_calls)
+                if parsed.stream:
+                    streamed = StreamedAnswer(self, session, call, self._parsers())
+                    return await streamed.send(request)
+                whole = WholeAnswer(self, session, call)
+                return await whole.send()
         except RequestError as error:
             return _error(error)
 
-    def _prepare(
-        self, session: AgentSession, request: ChatRequest
-    ) -> tuple[Prompt, SamplingParams, bool]:
-        """The call's engine prompt, its sampling, and whether a forced call comes as JSON
-        (``forced.py``); ``RequestError`` before anything is sent."""
-        if session.finished:  # it ended while this request waited for the lock
-            raise RequestError("the session finished", None, 401, "authentication_error")
+    def _outputs(self, request: ChatRequest) -> tuple[dict[str, Any] | None, bool]:
+        """A forced call's grammar and whether its call comes as JSON (``forced.py``);
+        ``RequestError`` (400) when the engine cannot do what the request needs."""
         outputs, json_calls = None, False
         if request.tool_choice in ("required", "function"):
             chat = self.chat
             outputs, json_calls = forced_outputs(request, chat.tokenizer, self._parsers())
         self._check_engine(request, outputs)
-        prompt, params = session.prepare(request, self.settings.max_length, outputs)
-        return prompt, params, json_calls
+        return outputs, json_calls
 
     def _parsers(self) -> Any:
         """vLLM's composed parser class for the door's parsers (None: none set), built
@@ -325,50 +314,6 @@ class FrontDoor:
             chat = self.chat
             self._parser_cls = parser_class(chat.tokenizer, chat.tool_parser, chat.reasoning_parser)
         return self._parser_cls
-
-    async def _complete(
-        self,
-        session: AgentSession,
-        request: ChatRequest,
-        prompt: Prompt,
-        params: SamplingParams,
-        json_calls: bool,
-    ) -> dict[str, Any]:
-        try:
-            gen, action, message = await session.complete(
-                self.engine, self.settings, request, prompt, params, json_calls
-            )
-        except (GenerationTimeoutError, EngineError) as exc:
-            raise engine_failed(session, exc) from exc
-        return completion_body(
-            completion_id=self._completion_id(session),
-            model=self.model_name,
-            message=message,
-            action=action,
-            gen=gen,
-            prompt_tokens=len(prompt.ids),
-            tokenizer=self.chat.tokenizer,
-            logprobs=request.logprobs,
-            prompt_ids=list(prompt.ids) if request.return_token_ids else None,
-        )
-
-    def _completion_id(self, session: AgentSession) -> str:
-        return f"chatcmpl-{session.spec.episode_id}-{session.calls}"
-
-    async def _streamed(
-        self,
-        http: web.Request,
-        session: AgentSession,
-        request: ChatRequest,
-        prompt: Prompt,
-        params: SamplingParams,
-        json_calls: bool,
-    ) -> web.StreamResponse:
-        answer = StreamedAnswer(
-            self.engine, self.chat, self.settings, session, request, self._parsers()
-        )
-        head = {"id": self._completion_id(session), "model": self.model_name}
-        return await answer.send(http, head, prompt, params, json_calls)
 
     def _check_engine(self, request: ChatRequest, outputs: dict[str, Any] | None) -> None:
         """A 400 for what the request needs and the engine cannot do (its ``supports``)."""

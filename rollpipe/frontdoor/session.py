@@ -23,7 +23,8 @@ one row per session row and ``step_rows`` exactly each request's tokens.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import attrs
@@ -31,8 +32,8 @@ import attrs
 from rollpipe.agent.actions import AssistantAction
 from rollpipe.agent.chat import ChatFormat
 from rollpipe.agent.conversation import ChatConversation, ChatPrompt
+from rollpipe.agent.env_returns import messages_text
 from rollpipe.agent.episode import EpisodeSettings
-from rollpipe.agent.messages import messages_text
 from rollpipe.agent.records import EndReason, EpisodeSpec, Trajectory, Turn
 from rollpipe.agent.tools import ToolSet, tool_set
 from rollpipe.engines.protocol import Engine, OnTokens
@@ -41,10 +42,27 @@ from rollpipe.frontdoor.forced import forced_action
 from rollpipe.frontdoor.requests import ChatRequest, RequestError, normalise_message
 from rollpipe.frontdoor.stops import cut_at_stop
 
-__all__ = ["AgentSession", "Prompt"]
+__all__ = ["AgentSession", "Call", "Prompt"]
 
 
 Prompt = ChatPrompt  # one request's engine prompt (the name the front door used)
+
+
+@attrs.frozen
+class Call:
+    """One request, prepared by its session (:meth:`AgentSession.prepare`) and ready for
+    the engine: the request, its engine prompt, its sampling, and whether a forced call
+    comes as JSON (``forced.py``)."""
+
+    request: ChatRequest
+    prompt: Prompt
+    params: SamplingParams
+    json_calls: bool = False
+
+    @property
+    def constrained(self) -> bool:
+        """Sampled under a grammar (a forced call's ``structured_outputs``)."""
+        return self.params.structured_outputs is not None
 
 
 class AgentSession:
@@ -52,8 +70,10 @@ class AgentSession:
     :class:`~rollpipe.agent.conversation.ChatConversation`: the same turn building as
     an env episode's.
 
-    ``admit`` (the pipeline's admission, awaited before each engine request) holds
-    requests while the pipeline is suspended. Requests of one session run one at a time.
+    A call goes :meth:`answering` (one at a time), :meth:`prepare` (its :class:`Call`),
+    :meth:`generate` and :meth:`record`; the front door's answers (``answers.py``,
+    ``streaming.py``) drive the last two. ``admit`` (the pipeline's admission, awaited
+    before each engine request) holds requests while the pipeline is suspended.
     ``keep_tools``: render a request without ``tools`` with the session's last tools.
     ``sampling``: the door's sampling, under each request's own fields.
     """
@@ -99,6 +119,22 @@ class AgentSession:
             rows[-1].append(turn)
         return rows
 
+    @contextlib.asynccontextmanager
+    async def answering(self) -> AsyncIterator[None]:
+        """Around one call: calls of the session run one at a time, each in
+        ``in_flight`` (cancelled when the session ends); ``RequestError`` (401) when the
+        session ended while the call waited for its turn."""
+        task = asyncio.current_task()
+        assert task is not None
+        self.in_flight.add(task)
+        try:
+            async with self.lock:
+                if self.finished:
+                    raise RequestError("the session finished", None, 401, "authentication_error")
+                yield
+        finally:
+            self.in_flight.discard(task)
+
     # -- prompts ------------------------------------------------------------------------
     def prompt_for(self, request: ChatRequest) -> Prompt:
         """The engine prompt of ``request`` (see the module doc); ``RequestError`` when the
@@ -142,10 +178,15 @@ class AgentSession:
             raise
 
     def prepare(
-        self, request: ChatRequest, max_length: int, outputs: Mapping[str, Any] | None
-    ) -> tuple[Prompt, SamplingParams]:
-        """The call's engine prompt and sampling (``outputs``: a forced call's grammar);
-        ``RequestError`` when the prompt leaves no room within ``max_length``."""
+        self,
+        request: ChatRequest,
+        max_length: int,
+        outputs: Mapping[str, Any] | None = None,
+        json_calls: bool = False,
+    ) -> Call:
+        """The call of ``request``: its engine prompt and sampling (``outputs``: a forced
+        call's grammar, ``json_calls``: its call comes as JSON); ``RequestError`` when the
+        prompt leaves no room within ``max_length``."""
         prompt = self.prompt_for(request)
         budget = max_length - len(prompt.ids)
         if budget < 1:
@@ -155,7 +196,7 @@ class AgentSession:
                 "messages",
                 code="context_length_exceeded",
             )
-        return prompt, self.sampling(request, budget, outputs)
+        return Call(request, prompt, self.sampling(request, budget, outputs), json_calls)
 
     # -- generating ---------------------------------------------------------------------
     def sampling(
@@ -171,67 +212,38 @@ class AgentSession:
         except ValueError as exc:
             raise RequestError(str(exc), None) from exc
 
-    def generate(
-        self,
-        engine: Engine,
-        settings: EpisodeSettings,
-        prompt: Prompt,
-        params: SamplingParams,
-        on_tokens: OnTokens = None,
-    ) -> Awaitable[Generation]:
-        """The call's engine request: held while the pipeline is suspended, kept on the
-        session's rank, within ``settings``' limits."""
-        return self.conversation.generate(
+    async def generate(
+        self, engine: Engine, settings: EpisodeSettings, call: Call, on_tokens: OnTokens = None
+    ) -> tuple[Generation, str]:
+        """The call's answer and its text, cut at the request's ``stop`` strings
+        (``stops.py``). Its engine request is held while the pipeline is suspended, kept
+        on the session's rank, within ``settings``' limits; ``on_tokens`` sees its ids
+        as they come (streamed)."""
+        gen = await self.conversation.generate(
             engine,
-            prompt.ids,
-            params,
+            call.prompt.ids,
+            call.params,
             admit=self.admit,
             max_aborts=settings.max_aborts,
             timeout_s=settings.generation_timeout_s,
             on_tokens=on_tokens,
         )
-
-    async def complete(
-        self,
-        engine: Engine,
-        settings: EpisodeSettings,
-        request: ChatRequest,
-        prompt: Prompt,
-        params: SamplingParams,
-        json_calls: bool = False,
-    ) -> tuple[Generation, AssistantAction, dict[str, Any]]:
-        """One unstreamed call: generated, cut at the request's ``stop`` strings, recorded;
-        the answer (as cut), the parsed action and its assistant message."""
-        gen = await self.generate(engine, settings, prompt, params)
-        gen, text = cut_at_stop(gen, request.stop, self.chat.decode_for_parsing)
-        constrained = params.structured_outputs is not None
-        action, message = self.record(
-            request, prompt, gen, text, json_calls=json_calls, constrained=constrained
-        )
-        return gen, action, message
+        decode = self.chat.decode_for_parsing
+        gen, cut = cut_at_stop(gen, call.request.stop, decode)
+        return gen, decode(list(gen.token_ids)) if cut is None else cut
 
     # -- recording ----------------------------------------------------------------------
     def record(
-        self,
-        request: ChatRequest,
-        prompt: Prompt,
-        gen: Generation,
-        text: str | None = None,
-        shown: Mapping[str, Any] | None = None,
-        json_calls: bool = False,
-        constrained: bool = False,
+        self, call: Call, gen: Generation, text: str, shown: Mapping[str, Any] | None = None
     ) -> tuple[AssistantAction, dict[str, Any]]:
-        """Add the call to the session; the parsed response and its assistant message.
-        ``text``: the response's text when not its ids' (cut before a stop string).
-        ``shown``: the message the client got when not the parsed one (streamed).
-        ``json_calls``: a forced call that came as JSON, not the model's markup.
-        ``constrained``: sampled under a grammar (``Turn.constrained``)."""
+        """Add the answered call to the session (``gen`` and its ``text`` as
+        :meth:`generate` gives them); the parsed response and its assistant message.
+        ``shown``: the message the client got when not the parsed one (streamed)."""
+        request, prompt = call.request, call.prompt
         dialog = prompt.dialog  # the conversation up to this call's prompt
         dialog.messages[: len(request.messages)] = request.messages  # equal dicts; the
         # same objects let the next call's prefix check compare them by identity
-        if text is None:
-            text = self.chat.decode_for_parsing(gen.token_ids)
-        if json_calls:
+        if call.json_calls:
             action = forced_action(text, request.tool_choice, request.tool_name, self.calls)
         elif request.tool_choice == "none" or dialog.parser is None:
             action = AssistantAction.plain(text)
@@ -250,7 +262,7 @@ class AgentSession:
             action_valid=None if not request.tools else not action.malformed,
             prefix_break=prompt.new_row,
             new_row=prompt.new_row,
-            constrained=constrained,
+            constrained=call.constrained,
         )
         self.tool_calls += len(action.tool_calls)
         self.malformed += action.malformed
