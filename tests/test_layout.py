@@ -454,9 +454,9 @@ def _within(module: str, package: str) -> bool:
 
 
 def test_agent_does_not_import_envs() -> None:
-    """The env contract (the protocols the episode calls, ``env_contract``; the step
-    metrics it reads, ``env_metrics``) lives in ``rollpipe.agent``, where the episode uses
-    it: envs depend on it, never the other way round."""
+    """The env contract (the protocols the episode calls and the step metrics it reads,
+    ``env_contract``) lives in ``rollpipe.agent``, where the episode uses it: envs depend
+    on it, never the other way round."""
     graph = import_graph()
     assert "rollpipe.agent.env_contract" in graph["rollpipe.envs.base"]  # the check sees
     up = {
@@ -501,3 +501,31 @@ def test_one_conversation_builds_every_turn() -> None:
     graph = import_graph()
     for driver in ("rollpipe.agent.episode", "rollpipe.frontdoor.session"):
         assert CONVERSATION in graph[driver], f"{driver} does not drive {CONVERSATION}"
+
+
+def _runs_a_tool_runner(tree: ast.AST) -> list[int]:
+    """Lines calling ``<something runner>.run(...)``."""
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "run"
+        and "runner" in ast.unparse(node.func.value).lower()
+    ]
+
+
+def test_tools_are_run_by_the_episode_not_by_envs() -> None:
+    """An env with tools (``ToolEnv``, ``TRLEnv``, the adapters) declares its
+    ``tool_runner``; the episode runs a turn's calls with it (``EnvCaller.run_tools``) and
+    steps the env with their results. No env module runs one itself."""
+    envs = ("rollpipe.envs", "rollpipe.integrations")
+    runs = {
+        name: lines
+        for name, path in _modules().items()
+        if any(_within(name, e) for e in envs)
+        and (lines := _runs_a_tool_runner(ast.parse(path.read_text())))
+    }
+    assert not runs, f"env modules running tool calls themselves (lines): {runs}"
+    caller = ast.parse((PACKAGE / "agent" / "env_caller.py").read_text())
+    assert _runs_a_tool_runner(caller), "the episode's env caller runs the tools (the check sees)"

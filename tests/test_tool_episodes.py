@@ -10,6 +10,8 @@ from typing import Any
 
 import attrs
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tool_support import RELEASE, ScriptedEngine, add, call, divide, hang, tools_model_path
 
 from rollpipe.agent.chat import DEFAULT_SYSTEM_PROMPT
@@ -331,3 +333,94 @@ def test_a_dataset_row_is_the_task() -> None:
     finally:
         tool_env.close()
         rows_only.close()
+
+
+def test_the_episode_runs_the_tools_and_the_env_gets_their_results(tool_tokenizer: Any) -> None:
+    """Tool running is the episode's: the env's step gets the action with the results its
+    ``tool_runner`` gave (it never runs a call itself), and answers with their messages."""
+    seen: list[Any] = []
+
+    class Recording(ToolEnv):
+        async def step(self, action: Any) -> Any:
+            seen.append(action)
+            return await super().step(action)
+
+    engine = ScriptedEngine(tool_tokenizer, [call("add", a=2, b=3) + EOT, "5" + EOT])
+    tool_env = Recording(lambda seed: ("What is 2 + 3?", 5), [add], last_number_matches)
+    try:
+        traj = asyncio.run(
+            run_episode(
+                EpisodeSpec(0, 0, 0),
+                tool_env,
+                engine,
+                SETTINGS.chat_format(tool_tokenizer),
+                SETTINGS,
+            )
+        )
+    finally:
+        tool_env.close()
+    results = seen[0].tool_results
+    assert [m["content"] for m in results.messages] == ["5"] and results.counts["tool/calls"] == 1
+    assert seen[1].tool_results is None  # an answer: nothing to run
+    assert traj.turns[1].observation.endswith("5") and traj.success
+
+
+def test_a_tool_env_stepped_with_calls_but_no_results_says_what_to_do() -> None:
+    from rollpipe.agent.actions import AssistantAction, ToolCall
+    from rollpipe.envs.base import EnvStateError
+
+    tool_env = env()
+    tool_env.reset(seed=0)
+    action = AssistantAction("", "", [ToolCall.from_json("c0", "add", '{"a": 1, "b": 2}')])
+    with pytest.raises(EnvStateError, match=r"ToolEnv.step got 1 tool call\(s\) without their"):
+        asyncio.run(tool_env.step(action))
+    tool_env.close()
+
+
+def big(n: int) -> str:
+    """Return n characters.
+
+    Args:
+        n: how many
+    """
+    return "x" * n
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 300), limit=st.one_of(st.none(), st.integers(1, 200)))
+def test_a_tool_result_is_cut_to_its_limit_and_the_cut_counted(n: int, limit: int | None) -> None:
+    from rollpipe.agent.actions import AssistantAction, ToolCall
+    from rollpipe.agent.tool_runner import ToolRunner
+    from rollpipe.agent.tools import ToolSet
+
+    runner = ToolRunner(ToolSet([big]), max_result_chars=limit)
+    action = AssistantAction("", "", [ToolCall.from_json("c0", "big", f'{{"n": {n}}}')])
+    try:
+        results = asyncio.run(runner.run(action))
+    finally:
+        runner.close()
+    shown, cut = results.messages[0]["content"], limit is not None and n > limit
+    assert shown == (
+        "x" * n if not cut else f"{'x' * limit}\n[tool result cut to {limit} of {n} characters]"
+    )
+    assert results.counts["tool/cut"] == float(cut) == results.counts.get("tool/cut/big", 0.0)
+
+
+def test_one_huge_tool_result_costs_its_episode_only_its_cut(tool_tokenizer: Any) -> None:
+    engine = ScriptedEngine(tool_tokenizer, [call("big", n=1_000_000) + EOT, "done" + EOT])
+    tool_env = ToolEnv(lambda seed: ("Go.", 0), [big], last_number_matches, max_result_chars=500)
+    try:
+        traj = asyncio.run(
+            run_episode(
+                EpisodeSpec(0, 0, 0),
+                tool_env,
+                engine,
+                SETTINGS.chat_format(tool_tokenizer),
+                SETTINGS,
+            )
+        )
+    finally:
+        tool_env.close()
+    assert traj.env_metrics["tool/cut"] == 1 and traj.env_metrics["tool/cut/big"] == 1
+    assert traj.num_turns == 2 and traj.end_reason == "terminated"
+    assert 500 < len(traj.turns[1].observation) < 600  # the cut result, not a million characters

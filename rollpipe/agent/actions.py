@@ -73,6 +73,26 @@ def _calls(value: Iterable[ToolCall]) -> tuple[ToolCall, ...]:
     return tuple(value)
 
 
+def _messages(value: Iterable[Mapping[str, str]]) -> tuple[Mapping[str, str], ...]:
+    return tuple(value)
+
+
+@attrs.frozen
+class ToolResults:
+    """What running one turn's tool calls gave (``rollpipe.agent.tool_runner``): one
+    ``tool`` message per call (one for unreadable call markup), in the calls' order, and
+    the turn's counts (``tool/calls``, ``tool/malformed``, ...: step metrics, summed).
+
+    Examples:
+        >>> results = ToolResults([dict(tool_message("call_0", "add", "3"))], {"tool/calls": 1.0})
+        >>> results.messages[0]["content"], results.counts["tool/calls"]
+        ('3', 1.0)
+    """
+
+    messages: tuple[Mapping[str, str], ...] = attrs.field(converter=_messages)
+    counts: Mapping[str, float] = attrs.field(factory=dict)
+
+
 @attrs.frozen
 class AssistantAction:
     """One assistant turn, parsed.
@@ -82,7 +102,8 @@ class AssistantAction:
     markup. ``tool_calls``: the calls parsed, in order. ``parse_error``: set when the
     text holds call markup the tool parser could not read (bad JSON, no name); then
     ``tool_calls`` is empty. ``reasoning``: the reasoning block, where the model has a
-    reasoning parser and wrote one.
+    reasoning parser and wrote one. ``tool_results``: what running the calls gave, set
+    by the episode before it steps an env that has it run them (``tool_runner``).
 
     Examples:
         >>> call = ToolCall.from_json("call_0_0", "add", '{"a": 1, "b": 2}')
@@ -100,6 +121,12 @@ class AssistantAction:
     tool_calls: tuple[ToolCall, ...] = attrs.field(default=(), converter=_calls)
     parse_error: str | None = None
     reasoning: str | None = None
+    tool_results: ToolResults | None = attrs.field(default=None, hash=False)
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the turn asks for tools (calls, or call markup that could not be read)."""
+        return bool(self.tool_calls) or self.parse_error is not None
 
     @property
     def malformed(self) -> bool:

@@ -10,12 +10,18 @@ import inspect
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import attrs
 
 from rollpipe.agent.env_contract import is_blocking
 from rollpipe.agent.env_errors import EnvFailed
 from rollpipe.agent.env_threads import EnvLease, EnvThreads, EnvTimeoutError
 from rollpipe.agent.records import EpisodeSpec
+
+if TYPE_CHECKING:
+    from rollpipe.agent.actions import AssistantAction
+    from rollpipe.agent.env_contract import RunsTools
 
 __all__ = ["SLOW_INLINE_S", "Clock", "EnvCaller"]
 
@@ -98,6 +104,20 @@ class EnvCaller:
             raise EnvFailed(exc, self.where(name, turn)) from exc
         finally:
             self.clock.env += time.perf_counter() - start
+
+    async def run_tools(
+        self, runner: RunsTools, action: AssistantAction, turn: int
+    ) -> AssistantAction:
+        """``action`` with the results of its tool calls, run by the env's ``runner``;
+        timed and limited like an env call (``env_timeout_s``), a failure ``EnvFailed``."""
+        start = time.perf_counter()
+        try:
+            results = await self._awaited(runner.run(action))
+        except Exception as exc:  # the runner's own failure (a tool's is a message)
+            raise EnvFailed(exc, self.where("tool_runner.run", turn)) from exc
+        finally:
+            self.clock.env += time.perf_counter() - start
+        return attrs.evolve(action, tool_results=results)
 
     async def _awaited(self, awaitable: Any) -> Any:
         if self.timeout is None:

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from rollpipe.agent.actions import AssistantAction
+    from rollpipe.agent.actions import AssistantAction, ToolResults
     from rollpipe.agent.records import EpisodeSpec
 
 Info = dict[str, Any]
@@ -87,6 +87,11 @@ class ChatEnv(Protocol):
     def close(self) -> None: ...
 
 
+class EnvStateError(RuntimeError):
+    """``step`` called before ``reset`` or after the episode ended (or, for an env whose
+    tools the episode runs, with tool calls but not their results)."""
+
+
 def takes_action(env: object) -> bool:
     """Whether ``env.step`` takes an ``AssistantAction`` (``step_input = "action"``)
     rather than the response text."""
@@ -103,6 +108,31 @@ def env_tools(env: object) -> Sequence[Any]:
     """The tools ``env`` declares (its ``tools`` attribute), ``()`` if none."""
     tools = getattr(env, "tools", None)
     return () if tools is None else tools
+
+
+class RunsTools(Protocol):
+    """What the episode calls to run a turn's tool calls (``rollpipe.agent.tool_runner.
+    ToolRunner`` is the one rollpipe has)."""
+
+    async def run(self, action: AssistantAction) -> ToolResults: ...
+
+
+def tool_runner(env: object) -> RunsTools | None:
+    """The runner of ``env``'s tool calls when the episode is to run them (the env
+    declares a ``tool_runner``: ``ToolEnv``, ``TRLEnv``), else None: an env without one
+    gets a turn's calls in ``step`` and answers them itself.
+
+    With a runner, the episode runs a turn's calls itself and steps the env with the
+    action holding their results (``action.tool_results``): the env decides what they
+    mean for the episode (reward, its turn limit), never runs them.
+    """
+    runner: RunsTools | None = getattr(env, "tool_runner", None)
+    if runner is not None and not callable(getattr(runner, "run", None)):
+        raise ValueError(
+            f"{type(env).__name__}.tool_runner is {type(runner).__name__}; it must be a "
+            "rollpipe.agent.tool_runner.ToolRunner (or None: the env answers calls itself)"
+        )
+    return runner
 
 
 def is_blocking(env: object) -> bool:

@@ -38,7 +38,9 @@ messages, or sets ``step_input = "action"``) run through a
 response split by the model's own parsers (``tool_parser`` / ``reasoning_parser``) into
 an ``AssistantAction`` (what ``step`` gets with ``step_input = "action"``; other envs
 get the text as always), prompts extended token-exactly, prefix breaks recorded on the
-turn. Text envs run exactly as before.
+turn. An env that declares a ``tool_runner`` (``ToolEnv``) has its tool calls run here,
+by the episode, before its ``step`` gets the action with their results
+(``action.tool_results``). Text envs run exactly as before.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from rollpipe.agent.env_contract import (
     is_blocking,
     step_metrics,
     takes_action,
+    tool_runner,
 )
 from rollpipe.agent.env_errors import EnvFailed
 from rollpipe.agent.env_returns import check_reset, check_step, clip_reward, messages_text
@@ -287,6 +290,7 @@ async def run_episode(
             try:
                 talk = _chat_conversation(spec, chat, env, observation, s.sampling, clock, route)
                 conv = conv if talk is None else talk
+                runner = tool_runner(env) if conv.structured else None  # the episode runs them
             except ValueError as exc:  # tools without a schema, a window with a chat env
                 raise EnvFailed(exc, f"{type(env).__name__}.tools: {call_env.episode(0)}") from exc
             for t in range(s.max_turns):
@@ -321,6 +325,8 @@ async def run_episode(
                     continue
                 try:
                     stepped_with = action if conv.structured else text
+                    if runner is not None and action is not None and action.calls_tools:
+                        stepped_with = await call_env.run_tools(runner, action, t)
                     step = await call_env("step", t, checked_step, stepped_with)
                 except EnvFailed:
                     conv.record(added, gen, text, shown, 0.0, False, False, broke, packed)

@@ -1,6 +1,9 @@
 """ToolRunner: runs the tool calls of one assistant turn, each off the event loop with a
 time limit, and answers every call with a tool message; a bad call is a message, never
-a crash.
+a crash. The episode calls it (``run_episode``, for an env that declares a
+``tool_runner``), then steps the env with the action and its
+:class:`~rollpipe.agent.actions.ToolResults`: an env says what the calls mean for the
+episode (reward, turn limit), it does not run them.
 
 Outcomes of one call, each a ``tool`` message and a count (``tool/calls``, and one of
 ``tool/malformed``, ``tool/errors``, ``tool/timeouts``; each also per tool as
@@ -12,7 +15,9 @@ Outcomes of one call, each a ``tool`` message and a count (``tool/calls``, and o
 * the tool raises -> ``errors``, the message is the exception's type and text;
 * the tool runs past ``timeout_s`` -> ``timeouts`` (its thread is abandoned; see
   :class:`~rollpipe.agent.env_threads.EnvThreads`);
-* otherwise the result: a str as it is, anything else as JSON.
+* otherwise the result: a str as it is, anything else as JSON, cut to
+  ``max_result_chars`` characters (the cut counted as ``tool/cut``; None: no limit), so
+  one huge result cannot flood the prompt.
 
 Blocking tools run on :class:`~rollpipe.agent.env_threads.EnvThreads` (timed by the
 loop's own timer); coroutine tools are awaited with ``asyncio.wait_for``. The calls of
@@ -29,13 +34,23 @@ import reprlib
 from collections.abc import Mapping
 from typing import Any
 
-from rollpipe.agent.actions import AssistantAction, ToolCall, tool_message
+from rollpipe.agent.actions import AssistantAction, ToolCall, ToolResults, tool_message
+from rollpipe.agent.env_contract import EnvStateError
 from rollpipe.agent.env_threads import EnvThreads, EnvTimeoutError
 from rollpipe.agent.tools import ToolSet
 
-__all__ = ["TOOL_METRIC_KINDS", "ToolRunner", "argument_problem"]
+__all__ = [
+    "DEFAULT_MAX_RESULT_CHARS",
+    "TOOL_METRIC_KINDS",
+    "ToolRunner",
+    "argument_problem",
+    "results_of",
+]
 
-TOOL_METRIC_KINDS = ("calls", "malformed", "errors", "timeouts")
+TOOL_METRIC_KINDS = ("calls", "malformed", "errors", "timeouts", "cut")
+DEFAULT_MAX_RESULT_CHARS = 16_000
+"""A tool result's length limit in characters (about 4k tokens), as verl's
+``max_tool_response_length`` bounds a tool response."""
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
     "integer": (int,),
     "number": (int, float),
@@ -92,16 +107,40 @@ class ToolRunner:
     """Runs the calls of an :class:`AssistantAction` with ``tools`` (see the module doc).
 
     ``timeout_s``: limit of one call (None: none). ``max_threads``: worker threads for
-    blocking tools (started on demand; ``close()`` ends them).
+    blocking tools (started on demand; ``close()`` ends them). ``max_result_chars``: a
+    result longer than this is cut (None: no limit).
+
+    Examples:
+        >>> import asyncio
+        >>> from rollpipe.envs.calculator import calculate
+        >>> runner = ToolRunner(ToolSet([calculate]), max_result_chars=1)
+        >>> call = ToolCall.from_json("call_0", "calculate", '{"expression": "6 * 7"}')
+        >>> results = asyncio.run(runner.run(AssistantAction("", "", [call])))
+        >>> results.messages[0]["content"], results.counts["tool/cut"]
+        ('4\\n[tool result cut to 1 of 2 characters]', 1.0)
+        >>> runner.close()
     """
 
     def __init__(
-        self, tools: ToolSet, *, timeout_s: float | None = 10.0, max_threads: int = 2
+        self,
+        tools: ToolSet,
+        *,
+        timeout_s: float | None = 10.0,
+        max_threads: int = 2,
+        max_result_chars: int | None = DEFAULT_MAX_RESULT_CHARS,
     ) -> None:
+        if max_result_chars is not None and (
+            not isinstance(max_result_chars, int) or max_result_chars < 1
+        ):
+            raise ValueError(
+                f"ToolRunner.max_result_chars must be an int >= 1 or None (no limit), "
+                f"got {max_result_chars!r}"
+            )
         self.tools, self.timeout_s = tools, timeout_s
+        self.max_result_chars = max_result_chars
         self.threads = EnvThreads(max_threads, "rollpipe-tools")
 
-    async def run(self, action: AssistantAction) -> tuple[list[dict[str, str]], dict[str, float]]:
+    async def run(self, action: AssistantAction) -> ToolResults:
         """One tool message per call (one for unreadable markup), and the counts."""
         counts = dict.fromkeys((f"tool/{k}" for k in TOOL_METRIC_KINDS), 0.0)
         messages: list[dict[str, str]] = []
@@ -115,8 +154,13 @@ class ToolRunner:
             for key in ("calls", kind) if kind != "calls" else ("calls",):
                 counts[f"tool/{key}"] += 1
                 counts[f"tool/{key}/{call.name}"] = counts.get(f"tool/{key}/{call.name}", 0) + 1
+            if self.max_result_chars is not None and len(text) > self.max_result_chars:
+                shown = self.max_result_chars
+                text = f"{text[:shown]}\n[tool result cut to {shown} of {len(text)} characters]"
+                counts["tool/cut"] += 1
+                counts[f"tool/cut/{call.name}"] = counts.get(f"tool/cut/{call.name}", 0) + 1
             messages.append(dict(tool_message(call.id, call.name, text)))
-        return messages, counts
+        return ToolResults(messages, counts)
 
     async def _one(self, call: ToolCall) -> tuple[str, str]:
         """``(kind, message text)`` of one call; kind is ``"calls"`` when it ran fine."""
@@ -152,3 +196,27 @@ class ToolRunner:
     def close(self) -> None:
         """End the worker threads (a hung tool's thread ends when its call returns)."""
         self.threads.close(0.0)
+
+
+def results_of(
+    action: AssistantAction, env: object
+) -> tuple[list[dict[str, str]], dict[str, float]]:
+    """The tool messages and counts of ``action``'s calls, which the episode ran before it
+    stepped ``env`` (an env with a ``tool_runner``); an ``EnvStateError`` naming what to do
+    when they were not run.
+
+    Examples:
+        >>> action = AssistantAction("", "", [ToolCall.from_json("c", "add", "{}")])
+        >>> results_of(action, object())
+        Traceback (most recent call last):
+        rollpipe.agent.env_contract.EnvStateError: object.step got 1 tool call(s) without ...
+    """
+    if action.tool_results is None:
+        calls = len(action.tool_calls) or 1
+        raise EnvStateError(
+            f"{type(env).__name__}.step got {calls} tool call(s) without their results: "
+            "the episode runs them (run_episode does); stepping the env by hand, run "
+            "`results = await env.tool_runner.run(action)` and pass "
+            "`attrs.evolve(action, tool_results=results)`"
+        )
+    return [dict(m) for m in action.tool_results.messages], dict(action.tool_results.counts)

@@ -28,6 +28,7 @@ from rollpipe.agent.env_contract import (  # the contract the episode calls, re-
     AsyncTextEnv,
     ChatEnv,
     ChatStepResult,
+    EnvStateError,
     Info,
     Messages,
     StepResult,
@@ -71,10 +72,6 @@ GRID_METRICS_AGG_MODE: dict[str, str] = {
     "format_penalty": "mean",
 }
 """How the grid envs' step metrics (ROLL's names) aggregate over a trajectory, as ROLL's."""
-
-
-class EnvStateError(RuntimeError):
-    """``step`` called before ``reset`` or after the episode ended."""
 
 
 def check_seed(seed: object) -> int:

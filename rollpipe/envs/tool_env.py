@@ -1,9 +1,11 @@
 """ToolEnv: a ready tool-calling env from a task, a set of tools and a verifier.
 
-Each turn the model either calls tools — the env runs them
-(:class:`~rollpipe.agent.tool_runner.ToolRunner`: off the event loop, each with a time
-limit, bad calls answered with what was wrong) and answers with one ``tool`` message per
-call — or answers in plain content, which ends the episode with the verifier's reward.
+Each turn the model either calls tools — the episode runs them with the env's
+``tool_runner`` (:class:`~rollpipe.agent.tool_runner.ToolRunner`: off the event loop,
+each with a time limit, results cut to ``max_result_chars``, bad calls answered with what
+was wrong), and ``step`` gets the action with its results and answers with their ``tool``
+messages, one per call — or answers in plain content, which ends the episode with the
+verifier's reward.
 Only the given callables ever run: nothing the model writes is executed as code.
 Its episodes get their own system prompt (``system_prompt``, :data:`DEFAULT_TOOL_PROMPT`
 unless given) ahead of the template's tools block, not the pipeline's, which is written
@@ -29,6 +31,8 @@ Examples:
     >>> prompt, info = env.reset(seed=0)
     >>> env.tools.names, prompt == task(0)[0], info
     (('multiply',), True, {'success': False})
+    >>> env.tool_runner.max_result_chars  # the episode runs the tools with it
+    16000
     >>> env.close()
 """
 
@@ -38,7 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
 from rollpipe.agent.actions import AssistantAction
-from rollpipe.agent.tool_runner import ToolRunner
+from rollpipe.agent.tool_runner import DEFAULT_MAX_RESULT_CHARS, ToolRunner, results_of
 from rollpipe.agent.tools import Tool, ToolSet
 from rollpipe.envs.base import EnvStateError, Info, check_seed
 
@@ -68,15 +72,17 @@ class ToolEnv:
         max_tool_turns: turns of tool calls before the episode is truncated (reward 0).
         tool_timeout_s: limit of one tool call (None: none).
         max_threads: worker threads for blocking tools.
+        max_result_chars: a tool result longer than this is cut (counted as
+            ``tool/cut``; None: no limit).
         system_prompt: the system message of this env's episodes, before the tools
             block (the pipeline's ``system_prompt`` is for text games); None sends no
             system message of its own (the template still writes the tools block).
         prompt_key / answer_key: a dataset row's fields (as ``PromptTask``'s).
 
     Examples:
-        One turn of tool calls, then the answer:
+        One turn of tool calls (run as the episode runs them), then the answer:
 
-        >>> import asyncio
+        >>> import asyncio, attrs
         >>> from rollpipe.agent.actions import ToolCall
         >>> from rollpipe.envs.calculator import calculate
         >>> env = ToolEnv(lambda seed: ("What is 6 * 7?", 42), [calculate],
@@ -84,6 +90,8 @@ class ToolEnv:
         >>> prompt, info = env.reset(seed=0)
         >>> call = ToolCall.from_json("call_0_0", "calculate", '{"expression": "6 * 7"}')
         >>> calls = AssistantAction("<tool_call>...</tool_call>", "", [call])
+        >>> results = asyncio.run(env.tool_runner.run(calls))
+        >>> calls = attrs.evolve(calls, tool_results=results)
         >>> messages, reward, done, cut, info = asyncio.run(env.step(calls))
         >>> [m["content"] for m in messages], reward, done, info["metrics"]["tool/calls"]
         (['42'], 0.0, False, 1.0)
@@ -103,6 +111,7 @@ class ToolEnv:
         max_tool_turns: int = 4,
         tool_timeout_s: float | None = 10.0,
         max_threads: int = 2,
+        max_result_chars: int | None = DEFAULT_MAX_RESULT_CHARS,
         system_prompt: str | None = DEFAULT_TOOL_PROMPT,
         prompt_key: str = "prompt",
         answer_key: str = "answer",
@@ -124,7 +133,12 @@ class ToolEnv:
         self.tools = ToolSet(tools)
         self.task, self.verifier, self.max_tool_turns = task, verifier, max_tool_turns
         self.prompt_key, self.answer_key = prompt_key, answer_key
-        self.runner = ToolRunner(self.tools, timeout_s=tool_timeout_s, max_threads=max_threads)
+        self.tool_runner = ToolRunner(
+            self.tools,
+            timeout_s=tool_timeout_s,
+            max_threads=max_threads,
+            max_result_chars=max_result_chars,
+        )
         self._truth: Any = None
         self._tool_turns = -1  # -1: not reset, or the episode ended
 
@@ -165,7 +179,8 @@ class ToolEnv:
         return row[self.prompt_key], row.get(self.answer_key)
 
     async def step(self, action: AssistantAction) -> tuple[Any, float, bool, bool, Info]:
-        """Run the turn's tool calls, or verify its answer (see the module doc).
+        """Answer the turn's tool calls with their results (``action.tool_results``, run by
+        the episode), or verify its answer (see the module doc).
 
         Examples:
             >>> import asyncio
@@ -177,8 +192,8 @@ class ToolEnv:
         """
         if self._tool_turns < 0:
             raise EnvStateError("ToolEnv.step() called before reset(seed) or after the end")
-        if action.tool_calls or action.parse_error is not None:
-            messages, counts = await self.runner.run(action)
+        if action.calls_tools:
+            messages, counts = results_of(action, self)
             self._tool_turns += 1
             truncated = self._tool_turns >= self.max_tool_turns
             if truncated:
@@ -191,10 +206,9 @@ class ToolEnv:
             }
             return messages, 0.0, False, truncated, info
         truth, self._tool_turns = self._truth, -1
-        verify = self.runner.threads.call
-        reward = float(
-            await verify(self.verifier, action.content, truth, timeout=self.runner.timeout_s)
-        )
+        runner = self.tool_runner
+        verify = runner.threads.call
+        reward = float(await verify(self.verifier, action.content, truth, timeout=runner.timeout_s))
         info = {"success": reward > 0, "action_valid": True, "answer": action.content}
         return "", reward, True, False, info
 
@@ -210,4 +224,4 @@ class ToolEnv:
             Traceback (most recent call last):
             RuntimeError: rollpipe-tools: the env threads were closed
         """
-        self.runner.close()
+        self.tool_runner.close()

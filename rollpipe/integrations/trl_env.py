@@ -12,7 +12,8 @@ finished rollout. A ``{name: factory}`` mapping picks the factory by the row's
 ``TRLEnv`` does the same per episode: a fresh instance (one per episode, as TRL's one per
 rollout), ``reset(**row)`` with the source's dataset row (``PipelineConfig(dataset=...)``;
 without one ``reset()``), the prompt from ``row["prompt"]`` plus the observation, the
-instance's methods as the episode's tools (run by ``ToolRunner``), and ``get_reward()``
+instance's methods as the episode's tools (run by the episode with the env's
+``tool_runner``), and ``get_reward()``
 as the reward when the model answers without a tool call or runs out of tool turns.
 Register it as an env (``CounterEnv`` being such a class)::
 
@@ -27,7 +28,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Literal
 
 from rollpipe.agent.actions import AssistantAction
-from rollpipe.agent.tool_runner import ToolRunner
+from rollpipe.agent.tool_runner import DEFAULT_MAX_RESULT_CHARS, ToolRunner, results_of
 from rollpipe.agent.tools import ToolSet
 from rollpipe.envs.base import EnvStateError, Info, check_seed
 
@@ -83,9 +84,10 @@ class TRLEnv:
             ``get_reward`` as TRL scores a rollout cut at ``max_tool_calling_iterations``).
         tool_timeout_s: limit of one tool call (None: none).
         max_threads: worker threads for blocking tools.
+        max_result_chars: a tool result longer than this is cut (None: no limit).
 
     Examples:
-        >>> import asyncio
+        >>> import asyncio, attrs
         >>> from rollpipe.agent.actions import ToolCall
         >>> class Counter:  # for TRL's environment_factory: its public methods are the tools
         ...     def reset(self, **row):
@@ -105,7 +107,9 @@ class TRLEnv:
         >>> env.reset(seed=0, row={"prompt": "Hi."}), env.tools.names  # TRL's reset(**row)
         (('Hi. Count to 2.', {'success': False}), ('increment',))
         >>> call = ToolCall.from_json("call_0", "increment", '{"step": 2}')
-        >>> asyncio.run(env.step(AssistantAction("", "", [call])))[0][0]["content"]
+        >>> calls = AssistantAction("", "", [call])  # run as the episode runs them:
+        >>> calls = attrs.evolve(calls, tool_results=asyncio.run(env.tool_runner.run(calls)))
+        >>> asyncio.run(env.step(calls))[0][0]["content"]
         '2'
         >>> asyncio.run(env.step(AssistantAction.plain("Done.")))[:3]  # answered: get_reward()
         ('', 1.0, True)
@@ -121,6 +125,7 @@ class TRLEnv:
         max_tool_turns: int = 4,
         tool_timeout_s: float | None = 10.0,
         max_threads: int = 2,
+        max_result_chars: int | None = DEFAULT_MAX_RESULT_CHARS,
     ) -> None:
         factories: dict[str | None, Factory] = {None: factory} if callable(factory) else {}
         if isinstance(factory, Mapping):
@@ -136,7 +141,12 @@ class TRLEnv:
         self.factories = factories
         self.max_tool_turns = max_tool_turns
         self.tools = ToolSet(())  # the current episode's (read by rollpipe after reset)
-        self.runner = ToolRunner(self.tools, timeout_s=tool_timeout_s, max_threads=max_threads)
+        self.tool_runner = ToolRunner(
+            self.tools,
+            timeout_s=tool_timeout_s,
+            max_threads=max_threads,
+            max_result_chars=max_result_chars,
+        )
         self.instance: Any = None  # the current episode's TRL env
         self._tool_turns = -1  # -1: not reset, or the episode ended
 
@@ -166,17 +176,18 @@ class TRLEnv:
             raise ValueError(f"TRLEnv: {type(instance).__name__} has no reset(); TRL needs one")
         observation = instance.reset(**kwargs)
         self.instance = instance
-        self.tools = self.runner.tools = ToolSet(trl_tools(instance))
+        self.tools = self.tool_runner.tools = ToolSet(trl_tools(instance))
         self._tool_turns = 0
         return _prompt(row, observation), {"success": False}
 
     async def step(self, action: AssistantAction) -> tuple[Any, float, bool, bool, Info]:
-        """Run the turn's tool calls; an answer (or the last tool turn) ends the episode
-        with ``get_reward()``."""
+        """Answer the turn's tool calls with their results (``action.tool_results``, run by
+        the episode); an answer (or the last tool turn) ends the episode with
+        ``get_reward()``."""
         if self._tool_turns < 0:
             raise EnvStateError("TRLEnv.step() called before reset(seed) or after the end")
-        if action.tool_calls or action.parse_error is not None:
-            messages, counts = await self.runner.run(action)
+        if action.calls_tools:
+            messages, counts = results_of(action, self)
             self._tool_turns += 1
             info: Info = {
                 "action_valid": counts["tool/malformed"] == 0,
@@ -200,8 +211,9 @@ class TRLEnv:
         if inspect.iscoroutinefunction(get_reward):
             value = await get_reward()
         else:
-            value = await self.runner.threads.call(get_reward, timeout=self.runner.timeout_s)
+            runner = self.tool_runner
+            value = await runner.threads.call(get_reward, timeout=runner.timeout_s)
         return float(value)
 
     def close(self) -> None:
-        self.runner.close()
+        self.tool_runner.close()
