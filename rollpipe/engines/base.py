@@ -19,6 +19,14 @@ from typing import Any, Self, TypeVar, cast
 import torch
 
 from rollpipe.engines.backend import Backend, EngineLink
+from rollpipe.engines.images import (
+    ImageLike,
+    VisionTokens,
+    check_generation,
+    check_image_prompt,
+    check_images,
+    refuse_images,
+)
 from rollpipe.engines.inputs import (
     PromptIds,
     PromptView,
@@ -80,8 +88,10 @@ class BaseEngine(EngineStateView):
         # a backend that reads prompts as sequences gets an episode's PromptView as it is
         views = bool(getattr(self._backend, "takes_views", False))
         self._check_prompt = check_prompt_view if views else check_prompt
-        # what the backend can do beyond the basics: top_logprobs, structured_outputs, on_tokens
+        # beyond the basics: top_logprobs, structured_outputs, on_tokens, images
         self._features = frozenset(getattr(self._backend, "features", ()))
+        # a vision-language model's special tokens: every request and response is checked
+        self._vision: VisionTokens | None = getattr(self._backend, "vision", None)
 
     # -- state (version, pause_mode, closed, ...: EngineStateView) ----------------------
     @property
@@ -141,11 +151,19 @@ class BaseEngine(EngineStateView):
 
     # -- the protocol --------------------------------------------------------------------
     async def generate(
-        self, prompt_ids: PromptIds, params: SamplingParams, *, on_tokens: OnTokens = None
+        self,
+        prompt_ids: PromptIds,
+        params: SamplingParams,
+        *,
+        on_tokens: OnTokens = None,
+        images: Sequence[ImageLike] = (),
     ) -> Generation:
         """Generate one completion; awaitable from any event loop or thread.
 
         ``on_tokens`` gets the response's ids as they are produced (``OnTokens``).
+        ``images`` (where ``supports("images")``): all of the conversation's images so far,
+        in order (PIL or HxWx3 uint8), one image pad id each in ``prompt_ids``; the
+        expanded prompt comes back as ``prompt_token_ids`` (``rollpipe.engines.images``).
 
         Examples:
             >>> params, streamed = SamplingParams(max_tokens=4, ignore_eos=True), []
@@ -158,20 +176,42 @@ class BaseEngine(EngineStateView):
         if params.top_logprobs or params.structured_outputs is not None:
             self._check_features(params)
         prompt = self._check_prompt(prompt_ids, self._backend.vocab_size)
+        if images or self._vision is not None:
+            return await self._generate_images(prompt, params, on_tokens, images)
         self._state.check_open()
         if self._runtime.in_loop():  # an EpisodeRunner's episode: no hop, no task (Scope.run)
             self._scope.check_open()
             return await self._generate(prompt, params, on_tokens)
         return await self._scope.run(self._generate(prompt, params, on_tokens))
 
+    async def _generate_images(
+        self, prompt: Any, params: SamplingParams, on_tokens: OnTokens, images: Any
+    ) -> Generation:
+        """A request to a vision-language model (or with images), checked going and back."""
+        where = f"{type(self).__name__} request"
+        if self._vision is None:
+            raise refuse_images(type(self).__name__, self._backend)
+        pictures = check_images(images)
+        check_image_prompt(prompt, len(pictures), self._vision, where)
+        self._state.check_open()
+        if in_loop := self._runtime.in_loop():  # no hop, no task, as in generate
+            self._scope.check_open()
+        work = self._generate(prompt, params, on_tokens, pictures)
+        gen = await (work if in_loop else self._scope.run(work))
+        check_generation(prompt, gen, self._vision, where, bool(pictures))
+        return gen
+
     def supports(self, feature: str) -> bool:
         """Whether this engine honours ``feature``: ``"top_logprobs"``, ``"structured_outputs"``
-        (``SamplingParams`` fields) or ``"on_tokens"`` (ids as they are produced, not all
-        at once at the end).
+        (``SamplingParams`` fields), ``"on_tokens"`` (ids as they are produced, not all
+        at once at the end) or ``"images"`` (``generate(..., images=...)``: a VLLMEngine
+        or HFEngine on a vision-language model).
 
         Examples:
             >>> engine.supports("top_logprobs"), engine.supports("structured_outputs")
             (True, True)
+            >>> engine.supports("images")  # the tiny model reads text only
+            False
             >>> from rollpipe.engines.scripted import ScriptedEngine
             >>> with ScriptedEngine(lambda prompt_ids, params: [7]) as scripted:
             ...     scripted.supports("top_logprobs")
@@ -205,9 +245,15 @@ class BaseEngine(EngineStateView):
         if params.top_logprobs or params.structured_outputs is not None:
             self._check_features(params)
         checked = [self._check_prompt(p, self._backend.vocab_size) for p in prompts]
+        if (vision := self._vision) is not None:  # a vision-language model's text prompts
+            for i, p in enumerate(checked):
+                check_image_prompt(p, 0, vision, f"prompts[{i}]")
         self._state.check_open()
         futures = [self._scope.submit(self._generate(p, params, None)) for p in checked]
-        return [f.result() for f in futures]
+        gens = [f.result() for f in futures]
+        for i, gen in enumerate(gens if vision is not None else ()):
+            check_generation(checked[i], gen, vision, f"prompts[{i}]", False)  # type: ignore[arg-type]
+        return gens
 
     def pause(self, mode: PauseMode = "abort") -> None:
         """Stop generating: ``keep`` freezes in-flight requests, ``abort`` ends them with
@@ -300,12 +346,19 @@ class BaseEngine(EngineStateView):
 
     # -- on the loop ---------------------------------------------------------------------
     async def _generate(
-        self, prompt: list[int] | PromptView, params: SamplingParams, on_tokens: OnTokens
+        self,
+        prompt: list[int] | PromptView,
+        params: SamplingParams,
+        on_tokens: OnTokens,
+        images: tuple[Any, ...] | None = None,
     ) -> Generation:
         # a PromptView only reaches a backend that declared takes_views (see _attach)
         ids = cast(list[int], prompt)
         streams = on_tokens is not None and "on_tokens" in self._features
-        if streams:
+        if images is not None:  # a vision-language model's backend (Backend.vision)
+            backend: Any = self._backend
+            gen = await backend.generate(ids, params, on_tokens if streams else None, images=images)
+        elif streams:
             gen = await self._backend.generate(ids, params, on_tokens)  # type: ignore[call-arg]
         else:
             gen = await self._backend.generate(ids, params)

@@ -17,6 +17,8 @@ import torch
 from rollpipe._utils.checks import check_int
 from rollpipe.engines.base import BaseEngine
 from rollpipe.engines.hf_backend import HFBackend
+from rollpipe.engines.hf_images import VisionModel, load_vision_model
+from rollpipe.engines.images import vision_tokens_of
 from rollpipe.engines.threads import resolve_cpu_threads
 
 __all__ = ["HFEngine"]
@@ -27,6 +29,9 @@ class HFEngine(BaseEngine):
 
     On CPU the decode thread uses ``cpu_threads`` torch threads (default 1 unless
     ``OMP_NUM_THREADS`` is set); other threads of the process keep their setting.
+
+    A Qwen2-VL-style vision-language model (``AutoModelForImageTextToText``, with its
+    processor) takes images (``generate(..., images=...)``; ``hf_images.py``).
 
     Examples:
         >>> from rollpipe.engines.records import SamplingParams
@@ -59,12 +64,18 @@ class HFEngine(BaseEngine):
         self.device = torch.device(device)
         threads = resolve_cpu_threads(cpu_threads) if self.device.type == "cpu" else None
         torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else dtype
-        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch_dtype)
+        tokens = vision_tokens_of(model_path)
+        vision: VisionModel | None = None
+        if tokens is not None:  # a vision-language model, with its processor
+            model, vision = load_vision_model(model_path, tokens, torch_dtype, self.device)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch_dtype)
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]
+        text = model.config.get_text_config()
         gcfg = GenerationConfig.from_pretrained(str(model_path))
-        eos = gcfg.eos_token_id if gcfg.eos_token_id is not None else model.config.eos_token_id
+        eos = gcfg.eos_token_id if gcfg.eos_token_id is not None else text.eos_token_id
         eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
-        pad = gcfg.pad_token_id if gcfg.pad_token_id is not None else model.config.pad_token_id
+        pad = gcfg.pad_token_id if gcfg.pad_token_id is not None else text.pad_token_id
         self.batch_window_s = float(batch_window_s)
         self.max_batch_size = max_batch_size
         super().__init__(name="rollpipe-hf-engine")
@@ -74,11 +85,12 @@ class HFEngine(BaseEngine):
                 link,
                 eos=eos_ids,
                 pad=int(pad if pad is not None else min(eos_ids, default=0)),
-                max_len=int(getattr(model.config, "max_position_embeddings", 1 << 30)),
+                max_len=int(getattr(text, "max_position_embeddings", 1 << 30)),
                 device=self.device,
                 batch_window_s=self.batch_window_s,
                 max_batch_size=max_batch_size,
                 threads=threads,
+                vision=vision,
             ),
             repr(str(model_path)),
         )

@@ -18,7 +18,8 @@ import torch
 
 from rollpipe.engines.backend import EngineLink
 from rollpipe.engines.hf_batch import DecodeBatch, Row, logits_kwargs
-from rollpipe.engines.protocol import PauseMode
+from rollpipe.engines.hf_images import ImageDecode, ImageRow, VisionModel
+from rollpipe.engines.protocol import OnTokens, PauseMode
 from rollpipe.engines.records import EngineError, Generation, SamplingParams
 from rollpipe.engines.threads import set_thread_torch_threads
 
@@ -29,7 +30,9 @@ class HFBackend:
     """A transformers causal LM behind the backend contract.
 
     ``queue`` holds requests not yet in a batch; ``num_batches`` counts micro-batches.
-    Each decode step reports its tokens through ``EngineLink.produced``.
+    Each decode step reports its tokens through ``EngineLink.produced``. With a
+    ``VisionModel`` (a vision-language model) it also takes images: an image request
+    decodes alone (``hf_images``), and no request samples a vision token.
     """
 
     reports_tokens = True
@@ -47,10 +50,20 @@ class HFBackend:
         batch_window_s: float,
         max_batch_size: int,
         threads: int | None,
+        vision: VisionModel | None = None,
     ) -> None:
         self.model = model
         self.link = link
-        self.vocab_size: int | None = int(model.config.vocab_size)
+        self.vocab_size: int | None = int(model.config.get_text_config().vocab_size)
+        self.vision_model = vision
+        self.vision = vision.tokens if vision is not None else None
+        self.banned = None if vision is None else torch.tensor(vision.tokens.banned, device=device)
+        if vision is not None:
+            self.features = HFBackend.features | {"images"}
+        self.no_images = (
+            "its model reads text only (its config.json has no vision_config with an image "
+            "token id); load a vision-language model"
+        )
         self.eos, self.pad, self.max_len, self.device = eos, pad, max_len, device
         self.batch_window_s = batch_window_s
         self.max_batch_size = max_batch_size
@@ -74,13 +87,24 @@ class HFBackend:
         return cls(model, link, **kwargs)  # on the loop: the decode task starts there
 
     # -- requests ------------------------------------------------------------------------
-    async def generate(self, prompt: list[int], params: SamplingParams) -> Generation:
+    async def generate(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        on_tokens: OnTokens = None,  # never called: BaseEngine delivers the ids at the end
+        *,
+        images: tuple[Any, ...] | None = None,
+    ) -> Generation:
         if len(prompt) + params.max_tokens > self.max_len:
             raise EngineError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"model's {self.max_len} positions; shorten the prompt or lower max_tokens"
             )
-        row = Row(prompt, params, self.eos, asyncio.get_running_loop().time())
+        now = asyncio.get_running_loop().time()
+        if images:
+            row: Row = ImageRow(prompt, params, self.eos, now, images)
+        else:
+            row = Row(prompt, params, self.eos, now)
         self.queue.append(row)
         self.changed.set()
         try:
@@ -122,14 +146,25 @@ class HFBackend:
     def _take(self) -> list[Row]:
         if self.closed or self.link.pause_mode() is not None:
             return []
-        rows = [r for r in self.queue[: self.max_batch_size] if not r.fut.done()]
-        del self.queue[: self.max_batch_size]
-        return rows
+        batch = self.queue[: self.max_batch_size]
+        if self.vision is not None:  # an image request decodes alone (its own positions)
+            first = next((i for i, r in enumerate(batch) if isinstance(r, ImageRow)), None)
+            batch = batch if first is None else batch[:first] or batch[:1]
+        del self.queue[: len(batch)]
+        return [r for r in batch if not r.fut.done()]
 
     async def _decode(self, rows: list[Row]) -> None:
         """Decode one micro-batch to its end, one step at a time."""
         loop = asyncio.get_running_loop()
-        batch = self.batch = DecodeBatch(self.model, rows, self.pad, self.device, self.extra)
+        if isinstance(rows[0], ImageRow):
+            assert self.vision_model is not None
+            args = (self.model, rows, self.pad, self.device, self.extra, self.vision_model)
+            batch: DecodeBatch = ImageDecode(*args)
+        else:
+            batch = DecodeBatch(
+                self.model, rows, self.pad, self.device, self.extra, banned=self.banned
+            )
+        self.batch = batch
         self.batch_done.clear()
         self.num_batches += 1
         epoch = self.abort_epoch

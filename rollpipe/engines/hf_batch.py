@@ -85,12 +85,23 @@ def _new_cache(model: Any) -> Any:
 
 
 class DecodeBatch:
-    """Rows decoded together: left-padded prompts, then one token per row per step."""
+    """Rows decoded together: left-padded prompts, then one token per row per step.
+
+    ``banned`` token ids (a vision-language model's vision tokens) are never chosen;
+    the log-probs stay the model's own (as vLLM's raw log-probs)."""
 
     def __init__(
-        self, model: Any, rows: list[Row], pad: int, device: torch.device, extra: dict[str, int]
+        self,
+        model: Any,
+        rows: list[Row],
+        pad: int,
+        device: torch.device,
+        extra: dict[str, int],
+        *,
+        banned: torch.Tensor | None = None,
     ) -> None:
         self.model = model
+        self.banned = banned
         self.rows = rows  # the rows in the cache, in batch order
         self.pad = pad
         self.device = device
@@ -130,11 +141,12 @@ class DecodeBatch:
             )
             self.cache = out.past_key_values
             logits = out.logits[:, -1, :].float()
-            chosen = logits.argmax(-1)
+            pick = logits if self.banned is None else logits.index_fill(1, self.banned, -torch.inf)
+            chosen = pick.argmax(-1)
             for i, row in enumerate(self.rows):
                 gen = self.gens.get(id(row))
                 if gen is not None:
-                    chosen[i] = sample_row(logits[i], row.params, gen)
+                    chosen[i] = sample_row(pick[i], row.params, gen)
             self.last = chosen[:, None]
             tokens: list[int] = chosen.tolist()
             logprobs: list[float] = []

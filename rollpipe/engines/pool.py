@@ -262,10 +262,17 @@ class EnginePool(PoolControl, EngineStateView):
 
     # -- requests --------------------------------------------------------------------------
     async def generate(
-        self, prompt_ids: PromptIds, params: SamplingParams, *, on_tokens: OnTokens = None
+        self,
+        prompt_ids: PromptIds,
+        params: SamplingParams,
+        *,
+        on_tokens: OnTokens = None,
+        images: Sequence[Any] = (),
     ) -> Generation:
         """Route one request; re-send it if its rank leaves the pool before it finishes.
 
+        ``images`` go with the request to the rank's engine (``BaseEngine.generate``;
+        where ``supports("images")``, else that engine raises ``EngineError``).
         ``on_tokens`` reaches the rank's engine; it is called on that engine's loop. A
         streamed request (``on_tokens``) is not re-sent from its start, since its first
         ids are already out: it continues on another rank from the prompt plus those ids,
@@ -278,11 +285,17 @@ class EnginePool(PoolControl, EngineStateView):
             ...     gen = asyncio.run(pool.generate([1, 2], SamplingParams(max_tokens=2)))
             ...     gen.token_ids, gen.finish_reason, gen.versions
             ((7, 8), 'length', (0, 0))
+            >>> with EnginePool(lambda rank: ScriptedEngine(lambda p, s: [7]), 2) as pool:
+            ...     asyncio.run(pool.generate([1, 2], SamplingParams(), images=[object()]))
+            Traceback (most recent call last):
+            ...
+            rollpipe.engines.records.EngineError: ScriptedEngine.generate(images=...): ...
         """
         prompt = check_prompt(prompt_ids)  # each rank checks the ids against its vocabulary
         self._state.check_open()
         session = current_route()  # read in the caller's task, before any hop
-        return await self._scope.run(self._generate(prompt, params, session, on_tokens))
+        pictures = tuple(images) if images else None
+        return await self._scope.run(self._generate(prompt, params, session, on_tokens, pictures))
 
     def generate_batch(
         self, prompts: Sequence[PromptIds], params: SamplingParams
@@ -309,6 +322,7 @@ class EnginePool(PoolControl, EngineStateView):
         params: SamplingParams,
         session: Route | None,
         on_tokens: OnTokens = None,
+        images: tuple[Any, ...] | None = None,
     ) -> Generation:
         cost = len(prompt) + params.max_tokens
         parts: list[Generation] = []  # a streamed request's tokens from ranks that left
@@ -316,12 +330,11 @@ class EnginePool(PoolControl, EngineStateView):
             rank, engine = self._table.pick(session, cost)
             streamed = [0]
             try:
-                if on_tokens is None:  # engines written before on_tokens keep working
-                    gen = await engine.generate(prompt, params)
-                else:
-                    gen = await engine.generate(
-                        prompt, params, on_tokens=_counted(on_tokens, streamed)
-                    )
+                # engines written before on_tokens or images keep working: only what is used
+                kwargs: dict[str, Any] = {} if images is None else {"images": images}
+                if on_tokens is not None:
+                    kwargs["on_tokens"] = _counted(on_tokens, streamed)
+                gen = await engine.generate(prompt, params, **kwargs)
                 # aborted because its rank left mid-request: regenerate the turn elsewhere
                 resend = gen.finish_reason == "abort" and self._table.resent_if_left(rank, engine)
             except EngineError:

@@ -8,7 +8,7 @@ live in ``records.py``; ``BaseEngine`` (``base.py``) implements it on a backend.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -63,8 +63,16 @@ class Engine(Protocol):
         ...
 
     async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, on_tokens: OnTokens = None
-    ) -> Generation: ...
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        on_tokens: OnTokens = None,
+        images: Sequence[Any] = (),
+    ) -> Generation:
+        """``images``: all of the conversation's images so far, one image pad id each in
+        ``prompt_ids``, for an engine that ``supports("images")`` (``BaseEngine.generate``)."""
+        ...
 
     def generate_batch(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams

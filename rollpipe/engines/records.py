@@ -195,6 +195,10 @@ def _check_generation(inst: Generation, attr: attrs.Attribute[Any], value: Any) 
         )
 
 
+def _optional_ints(value: Any) -> tuple[int, ...] | None:
+    return None if value is None else tuple(value)
+
+
 def _top_entries(value: Any) -> tuple[tuple[tuple[int, float], ...], ...]:
     return value if isinstance(value, tuple) else tuple(tuple(pos) for pos in value)
 
@@ -217,7 +221,9 @@ class Generation:
     engine's prefix cache served (None where the engine does not say; vLLM in-process
     does). ``top_logprobs[i]``: the request's ``top_logprobs`` most likely
     ``(token_id, logprob)`` pairs at position ``i``, most likely first (empty when the
-    request asked for none).
+    request asked for none). ``prompt_token_ids``: the prompt as the model saw it, where
+    the engine reports one that differs from the ids sent (a request with images: each
+    image pad expanded into the image's tokens); None otherwise.
 
     Backends build it from the Python ints and floats they already hold: the fields are
     stored as tuples, and only their lengths are checked (no per-element conversion).
@@ -239,6 +245,7 @@ class Generation:
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = attrs.field(
         default=(), converter=_top_entries, validator=_check_top
     )
+    prompt_token_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_optional_ints)
 
     @property
     def num_tokens(self) -> int:
@@ -255,4 +262,5 @@ class Generation:
             finish_reason,
             [v for g in parts for v in g.versions],
             top_logprobs=[top for g in parts for top in g.top_logprobs],
+            prompt_token_ids=parts[0].prompt_token_ids if parts else None,
         )

@@ -26,6 +26,7 @@ from typing import Any
 
 from rollpipe._utils.checks import check_int
 from rollpipe.engines.base import BaseEngine
+from rollpipe.engines.images import vision_tokens_of
 from rollpipe.engines.records import SamplingParams
 from rollpipe.engines.threads import resolve_cpu_threads
 from rollpipe.engines.vllm_async import AsyncBackend
@@ -146,6 +147,9 @@ class VLLMEngine(BaseEngine):
         super().__init__(name="rollpipe-vllm-engine")
         layout = AsyncBackend if multiprocess else InprocBackend
         engine_args = AsyncEngineArgs if multiprocess else EngineArgs
-        self._attach(lambda link: layout.start(engine_args(**kwargs), link, threads), repr(model))
+        vision = vision_tokens_of(model)  # a vision-language model takes images
+        self._attach(
+            lambda link: layout.start(engine_args(**kwargs), link, threads, vision), repr(model)
+        )
         # The first forward pass pays one-off kernel set-up (seconds on CPU): pay it now.
         self.generate_batch([[0, 0]], SamplingParams(max_tokens=2, temperature=0.0))

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from rollpipe.engines.backend import EngineLink
+from rollpipe.engines.images import VisionTokens
 from rollpipe.engines.protocol import OnTokens, PauseMode
 from rollpipe.engines.records import EngineError, Generation, SamplingParams
 from rollpipe.engines.vllm_common import (
@@ -42,12 +43,14 @@ def _span_versions(spans: Any, n: int) -> list[int] | None:
 class AsyncBackend(VLLMBackendBase):
     """``AsyncLLM`` behind the backend contract; ``inflight`` holds running request ids."""
 
-    def __init__(self, llm: Any, link: EngineLink) -> None:
-        super().__init__(llm, link)
+    def __init__(self, llm: Any, link: EngineLink, vision: VisionTokens | None = None) -> None:
+        super().__init__(llm, link, vision)
         self.inflight: set[str] = set()
 
     @classmethod
-    async def start(cls, args: Any, link: EngineLink, threads: int | None) -> AsyncBackend:
+    async def start(
+        cls, args: Any, link: EngineLink, threads: int | None, vision: VisionTokens | None = None
+    ) -> AsyncBackend:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         old = os.environ.get("OMP_NUM_THREADS")
@@ -66,10 +69,15 @@ class AsyncBackend(VLLMBackendBase):
         except BaseException:
             llm.shutdown()
             raise
-        return cls(llm, link)
+        return cls(llm, link, vision)
 
     async def generate(
-        self, prompt: list[int], params: SamplingParams, on_tokens: OnTokens = None
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        on_tokens: OnTokens = None,
+        *,
+        images: tuple[Any, ...] | None = None,
     ) -> Generation:
         from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -80,10 +88,14 @@ class AsyncBackend(VLLMBackendBase):
         top: list[tuple[tuple[int, float], ...]] = []
         versions: list[int] = []
         final = None
+        expanded: list[int] | None = None  # the prompt vLLM reports (with images)
         self.inflight.add(rid)
         try:
-            stream = self.llm.generate(TokensPrompt(prompt_token_ids=prompt), sp, request_id=rid)
+            request = TokensPrompt(**self.prompt(prompt, images))  # type: ignore[typeddict-item]
+            stream = self.llm.generate(request, sp, request_id=rid)
             async for out in stream:
+                if images and expanded is None and out.prompt_token_ids is not None:
+                    expanded = list(out.prompt_token_ids)
                 comp = out.outputs[0]
                 ids = list(comp.token_ids)
                 tokens.extend(ids)
@@ -110,7 +122,9 @@ class AsyncBackend(VLLMBackendBase):
             raise EngineError(f"vLLM request {rid} ended without a final output")
         versions = _span_versions(getattr(final, "weight_versions", None), len(tokens)) or versions
         reason = finish_reason(final.finish_reason)
-        return Generation(tokens, logprobs, reason, versions, top_logprobs=top)
+        return Generation(
+            tokens, logprobs, reason, versions, top_logprobs=top, prompt_token_ids=expanded
+        )
 
     async def pause(self, mode: PauseMode) -> None:
         await self.llm.pause_generation(mode=mode, clear_cache=False)

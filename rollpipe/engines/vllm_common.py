@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from rollpipe.engines.backend import EngineLink
+from rollpipe.engines.images import VisionTokens
 from rollpipe.engines.records import EngineError, SamplingParams
 
 __all__ = [
@@ -78,17 +79,28 @@ class VLLMBackendBase:
     """A vLLM engine (``LLMEngine`` or ``AsyncLLM``) and the link to the engine it serves.
 
     Both backends report tokens through ``EngineLink.produced`` as vLLM streams them.
+    On a vision-language model (``vision``: its special tokens) they also take images
+    (``prompt``) and never sample a vision token (a ``-inf`` logit bias; vLLM reports
+    raw log-probs, so the logprobs are the model's own).
     """
 
     reports_tokens = True
     features = frozenset({"top_logprobs", "structured_outputs", "on_tokens"})
 
-    def __init__(self, llm: Any, link: EngineLink) -> None:
+    def __init__(self, llm: Any, link: EngineLink, vision: VisionTokens | None = None) -> None:
         self.llm = llm
         self.link = link
         self.vocab_size: int | None = int(llm.model_config.get_vocab_size())
         self.max_model_len = int(llm.model_config.max_model_len)
         self._ids = itertools.count()
+        self.vision = vision
+        self.banned = vision.banned if vision is not None else ()
+        if vision is not None:
+            self.features = VLLMBackendBase.features | {"images"}
+        self.no_images = (
+            f"the model {llm.model_config.model!r} reads text only (its config.json has no "
+            "vision_config with an image token id); load a vision-language model"
+        )
 
     def request(self, prompt: list[int], params: SamplingParams) -> tuple[str, Any]:
         """A new request id and vLLM's sampling params; rejects a prompt too long."""
@@ -97,10 +109,17 @@ class VLLMBackendBase:
                 f"prompt has {len(prompt)} tokens but max_model_len is {self.max_model_len}; "
                 "shorten the prompt or build the engine with a larger max_model_len"
             )
-        return f"rollpipe-{next(self._ids)}", self.sampling_params(params)
+        return f"rollpipe-{next(self._ids)}", self.sampling_params(params, self.banned)
 
     @staticmethod
-    def sampling_params(params: SamplingParams) -> Any:
+    def prompt(prompt: list[int], images: tuple[Any, ...] | None) -> dict[str, Any]:
+        """vLLM's prompt: the ids, and the images (all of the conversation's) if any."""
+        if not images:
+            return {"prompt_token_ids": prompt}
+        return {"prompt_token_ids": prompt, "multi_modal_data": {"image": list(images)}}
+
+    @staticmethod
+    def sampling_params(params: SamplingParams, banned: tuple[int, ...] = ()) -> Any:
         from vllm import SamplingParams as VSamplingParams
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
@@ -118,6 +137,7 @@ class VLLMBackendBase:
             seed=params.seed,
             logprobs=params.top_logprobs if wanted else None,
             ignore_eos=params.ignore_eos,
+            logit_bias={t: float("-inf") for t in banned} if banned else None,
             structured_outputs=structured,
             detokenize=False,
             skip_special_tokens=False,

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from rollpipe.engines.backend import EngineLink
+from rollpipe.engines.images import VisionTokens
 from rollpipe.engines.protocol import OnTokens, PauseMode
 from rollpipe.engines.records import EngineError, Generation, SamplingParams
 from rollpipe.engines.threads import set_thread_torch_threads
@@ -48,7 +49,9 @@ class _Request:
 
     __slots__ = (
         "cached_tokens",
+        "expanded",
         "fut",
+        "images",
         "logprobs",
         "on_tokens",
         "prompt",
@@ -62,9 +65,15 @@ class _Request:
     )
 
     def __init__(
-        self, rid: str, prompt: list[int], sp: Any, params: SamplingParams, on_tokens: OnTokens
+        self,
+        rid: str,
+        prompt: list[int],
+        sp: Any,
+        params: SamplingParams,
+        on_tokens: OnTokens,
+        images: tuple[Any, ...] | None = None,
     ) -> None:
-        self.rid, self.prompt, self.sp = rid, prompt, sp
+        self.rid, self.prompt, self.sp, self.images = rid, prompt, sp, images
         self.want_lp, self.top_k, self.on_tokens = params.logprobs, params.top_logprobs, on_tokens
         self.fut: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
         self.tokens: list[int] = []
@@ -72,11 +81,18 @@ class _Request:
         self.top: list[tuple[tuple[int, float], ...]] = []
         self.versions: list[int] = []
         self.cached_tokens: int | None = None
+        self.expanded: list[int] | None = None  # the prompt vLLM reports (with images)
 
     def finish(self, reason: str) -> None:
         if not self.fut.done():
             gen = Generation(
-                self.tokens, self.logprobs, reason, self.versions, self.cached_tokens, self.top
+                self.tokens,
+                self.logprobs,
+                reason,
+                self.versions,
+                self.cached_tokens,
+                self.top,
+                self.expanded,
             )
             self.fut.set_result(gen)
 
@@ -124,9 +140,13 @@ class InprocBackend(VLLMBackendBase):
     live = 0  # in-process engines alive in this process (they share distributed state)
 
     def __init__(
-        self, llm: Any, link: EngineLink, forward_lock: contextlib.AbstractContextManager[Any]
+        self,
+        llm: Any,
+        link: EngineLink,
+        forward_lock: contextlib.AbstractContextManager[Any],
+        vision: VisionTokens | None = None,
     ) -> None:
-        super().__init__(llm, link)
+        super().__init__(llm, link, vision)
         self.forward_lock = forward_lock
         self.active: dict[str, _Request] = {}
         self.queued: list[_Request] = []
@@ -137,7 +157,9 @@ class InprocBackend(VLLMBackendBase):
         self.stepper = asyncio.get_running_loop().create_task(self._step_loop())
 
     @classmethod
-    async def start(cls, args: Any, link: EngineLink, threads: int | None) -> InprocBackend:
+    async def start(
+        cls, args: Any, link: EngineLink, threads: int | None, vision: VisionTokens | None = None
+    ) -> InprocBackend:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         on_cpu = threads is not None  # VLLMEngine resolves threads on CPU only
@@ -148,14 +170,19 @@ class InprocBackend(VLLMBackendBase):
         set_thread_torch_threads(threads)  # the CPU worker patched the setter; undo, re-apply
         llm.set_weight_version(str(link.version()))
         InprocBackend.live += 1
-        return cls(llm, link, forward_lock)
+        return cls(llm, link, forward_lock, vision)
 
     # -- requests ------------------------------------------------------------------------
     async def generate(
-        self, prompt: list[int], params: SamplingParams, on_tokens: OnTokens = None
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        on_tokens: OnTokens = None,
+        *,
+        images: tuple[Any, ...] | None = None,
     ) -> Generation:
         rid, sp = self.request(prompt, params)
-        req = _Request(rid, prompt, sp, params, on_tokens)
+        req = _Request(rid, prompt, sp, params, on_tokens, images)
         if self.link.pause_mode() is None:
             self._add(req)
         else:
@@ -168,7 +195,7 @@ class InprocBackend(VLLMBackendBase):
 
     def _add(self, req: _Request) -> None:
         try:
-            self.llm.add_request(req.rid, {"prompt_token_ids": req.prompt}, req.sp)
+            self.llm.add_request(req.rid, self.prompt(req.prompt, req.images), req.sp)
         except Exception as e:
             raise EngineError(f"vLLM rejected request {req.rid}: {e}") from e
         self.active[req.rid] = req
@@ -242,6 +269,8 @@ class InprocBackend(VLLMBackendBase):
             req.on_tokens(ids)
         if out.num_cached_tokens is not None:
             req.cached_tokens = out.num_cached_tokens
+        if req.images and req.expanded is None and out.prompt_token_ids is not None:
+            req.expanded = list(out.prompt_token_ids)
         if out.finished:
             del self.active[req.rid]
             try:

@@ -1,0 +1,14 @@
+"""Images for vision-language agents: the tiny VLM, image-token checks, torchvision on CPU.
+
+Importing this package installs the torchvision guard (``_torchvision.install``): on a
+CPU torch with a CUDA torchvision wheel, torchvision's two operator-registration modules
+are skipped so that it imports. ``tiny_vlm`` builds a tiny random Qwen2-VL locally;
+``checks`` catches the prompts and responses vLLM would silently corrupt. The engines
+carry images themselves (``engine.generate(..., images=...)``).
+"""
+
+from __future__ import annotations
+
+from rollpipe.vision import _torchvision
+
+_torchvision.install()
