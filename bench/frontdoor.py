@@ -204,7 +204,7 @@ def _rollpipe_cost(ctx: BenchContext, turns: int) -> float:
     from rollpipe.engines.records import Generation
     from rollpipe.frontdoor.requests import parse_chat_request
     from rollpipe.frontdoor.responses import completion_body
-    from rollpipe.frontdoor.session import AgentSession
+    from rollpipe.frontdoor.session import AgentSession, Call
 
     chat = EpisodeSettings(system_prompt=None, max_length=1 << 20).chat_format(ctx.tokenizer)
     ids = ctx.tokenizer.encode("Sure, the answer is 5.", add_special_tokens=False)
@@ -218,7 +218,11 @@ def _rollpipe_cost(ctx: BenchContext, turns: int) -> float:
         request = parse_chat_request(json.loads(raw), session.last_request)
         session.last_request = request
         prompt = session.prompt_for(request)
-        action, message = session.record(request, prompt, gen)
+        paused = time.thread_time()  # the door's sampling: not counted, as before the Call
+        call = Call(request, prompt, session.sampling(request, 1 << 19, None))
+        start += time.thread_time() - paused
+        text = chat.decode_for_parsing(list(gen.token_ids))
+        action, message = session.record(call, gen, text)
         body = completion_body(
             completion_id="c",
             model="m",
