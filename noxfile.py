@@ -96,7 +96,8 @@ def install_project(session: nox.Session, extras: str) -> None:
         kept = KEPT_FOR_VISION if "vision" in chosen else []
         uninstall(session, *(p for p in BROKEN_ON_CPU_TORCH if p not in kept))
     if "vision" in chosen:  # every interpreter of the venv (vLLM's engine cores too)
-        session.run("python", "-m", "rollpipe.vision._torchvision", "--write-pth", silent=True)
+        write = "import rollpipe.vision as v; v.write_torchvision_pth()"
+        session.run("python", "-c", write, silent=True)
     session.run(
         "python",
         "-c",

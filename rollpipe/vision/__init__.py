@@ -2,7 +2,8 @@
 
 Importing this package installs the torchvision guard (``_torchvision.install``): on a
 CPU torch with a CUDA torchvision wheel, torchvision's two operator-registration modules
-are skipped so that it imports. ``tiny_vlm`` builds a tiny random Qwen2-VL locally;
+are skipped so that it imports; ``write_torchvision_pth()`` installs it in every
+interpreter of the environment. ``tiny_vlm`` builds a tiny random Qwen2-VL locally;
 ``checks`` catches the prompts and responses vLLM would silently corrupt. The engines
 carry images themselves (``engine.generate(..., images=...)``).
 """
@@ -11,4 +12,9 @@ from __future__ import annotations
 
 from rollpipe.vision import _torchvision
 
+__all__ = ["write_torchvision_pth"]
+
 _torchvision.install()
+write_torchvision_pth = _torchvision.write_pth
+"""Write the .pth line that installs the guard in every interpreter of this environment
+(vLLM's engine-core processes, Ray workers, a vLLM server); returns its path."""

@@ -15,8 +15,8 @@ build) it answers None and the real modules register as usual.
 
 This module imports only the standard library, so a ``.pth`` line can install the finder
 in every interpreter of a virtualenv, vLLM's engine-core processes included:
-``python -m rollpipe.vision._torchvision --write-pth`` writes that line
-(``rollpipe_torchvision.pth``) into the running interpreter's site-packages.
+``rollpipe.vision.write_torchvision_pth()`` writes that line (``rollpipe_torchvision.pth``)
+into the running interpreter's site-packages (``nox -s vision`` does).
 """
 
 from __future__ import annotations
@@ -94,9 +94,3 @@ def write_pth(site_packages: str | Path | None = None) -> Path:
     target = Path(site_packages or sysconfig.get_paths()["purelib"]) / PTH_NAME
     target.write_text(PTH_LINE)
     return target
-
-
-if __name__ == "__main__":
-    if sys.argv[1:] != ["--write-pth"]:
-        sys.exit(f"usage: python -m {__spec__.name if __spec__ else __name__} --write-pth")
-    print(write_pth())
