@@ -17,8 +17,20 @@ value with its type, instead of ending the whole stream with a bare TypeError la
 A chat env's ``reset`` / ``step`` may return, instead of an observation string, a list
 of messages: ``{"role": "user", "content": str}`` or ``{"role": "tool", "content": str,
 "tool_call_id": str, "name": str}`` (id and name optional: templates that show them need
-them). A string is one user message. Anything else fails the episode with a message
-naming the env call, the index and the field.
+them). A user message's ``content`` may also be a list of content parts, text and images
+(``rollpipe.agent.content``: ``{"type": "text", "text": str}``, ``{"type": "image",
+"image": PIL image or H x W x 3 uint8 array}``); an episode whose observations hold
+images runs an image conversation (``rollpipe.vision.conversation``). A string is one
+user message. Anything else fails the episode with a message naming the env call, the
+index and the field.
+
+Examples:
+    >>> import numpy as np
+    >>> image = np.zeros((48, 64, 3), dtype=np.uint8)
+    >>> msgs = check_messages("Lake.reset: observation", [{"role": "user", "content": [
+    ...     {"type": "text", "text": "Where next?"}, {"type": "image", "image": image}]}])
+    >>> messages_text(msgs), has_images(msgs), has_images("text")
+    ('Where next?\\n<image 64x48>', True, False)
 """
 
 from __future__ import annotations
@@ -31,6 +43,8 @@ from typing import Any
 
 import numpy as np
 
+from rollpipe.agent.content import check_parts, part_text
+
 __all__ = [
     "ENV_ROLES",
     "EnvReturnError",
@@ -39,6 +53,7 @@ __all__ = [
     "check_reset",
     "check_step",
     "clip_reward",
+    "has_images",
     "messages_text",
 ]
 
@@ -53,9 +68,10 @@ ENV_ROLES = ("user", "tool")
 _OPTIONAL = ("tool_call_id", "name")
 
 
-def check_messages(where: str, value: Any) -> tuple[dict[str, str], ...]:
+def check_messages(where: str, value: Any) -> tuple[dict[str, Any], ...]:
     """``value`` (a list of message dicts) as checked plain dicts; ``ValueError`` naming
-    ``where`` (e.g. ``"Calc.step: observation"``), the index and the field otherwise."""
+    ``where`` (e.g. ``"Calc.step: observation"``), the index and the field otherwise. A
+    user message's content may be a list of content parts (checked, as plain dicts)."""
     if not isinstance(value, Sequence) or isinstance(value, (str, bytes)) or not value:
         raise ValueError(
             f"{where} must be a str or a non-empty list of chat messages, got "
@@ -68,9 +84,14 @@ def check_messages(where: str, value: Any) -> tuple[dict[str, str], ...]:
         role, content = message.get("role"), message.get("content")
         if role not in ENV_ROLES:
             raise ValueError(f"{where}[{i}]['role'] is {role!r}; an env answers as {ENV_ROLES}")
-        if not isinstance(content, str):
-            raise ValueError(f"{where}[{i}]['content'] must be a str, got {type(content).__name__}")
-        checked = {"role": role, "content": content}
+        if isinstance(content, (list, tuple)) and role == "user":
+            content = check_parts(content, f"{where}[{i}]['content']")
+        elif not isinstance(content, str):
+            also = " or (a user message) a list of content parts" if role == "user" else ""
+            raise ValueError(
+                f"{where}[{i}]['content'] must be a str{also}, got {type(content).__name__}"
+            )
+        checked: dict[str, Any] = {"role": role, "content": content}
         for key in _OPTIONAL:
             if message.get(key) is not None:
                 if not isinstance(message[key], str):
@@ -83,22 +104,36 @@ def check_messages(where: str, value: Any) -> tuple[dict[str, str], ...]:
     return tuple(out)
 
 
-def as_messages(observation: str | Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
+def as_messages(observation: str | Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """An observation as messages: a string is one user message."""
     if isinstance(observation, str):
         return [{"role": "user", "content": observation}]
     return [dict(m) for m in observation]
 
 
-def messages_text(observation: str | Sequence[Mapping[str, str]]) -> str:
+def has_images(observation: Any) -> bool:
+    """Whether a checked observation (a str or checked messages) holds an image part."""
+    if isinstance(observation, str):
+        return False
+    return any(
+        not isinstance(m["content"], str) and any(p["type"] == "image" for p in m["content"])
+        for m in observation
+    )
+
+
+def messages_text(observation: str | Sequence[Mapping[str, Any]]) -> str:
     """An observation as one string (``Turn.observation``, step rows' ``observations``):
-    a string as it is; messages as their contents, tool results prefixed with the tool."""
+    a string as it is; messages as their contents, tool results prefixed with the tool,
+    content parts joined by newlines with each image shown as ``<image WxH>``."""
     if isinstance(observation, str):
         return observation
     parts = []
     for m in observation:
         head = f"[{m['role']} {m['name']}] " if m["role"] == "tool" and m.get("name") else ""
-        parts.append(head + m["content"])
+        content = m["content"]
+        if not isinstance(content, str):
+            content = "\n".join(part_text(p) for p in content)
+        parts.append(head + content)
     return "\n".join(parts)
 
 
