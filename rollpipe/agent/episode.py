@@ -41,6 +41,10 @@ get the text as always), prompts extended token-exactly, prefix breaks recorded 
 turn. An env that declares a ``tool_runner`` (``ToolEnv``) has its tool calls run here,
 by the episode, before its ``step`` gets the action with their results
 (``action.tool_results``). Text envs run exactly as before.
+
+An env whose first observation holds an image part runs the image conversation that
+:func:`use_image_conversation` registered (``rollpipe.vision.conversation`` does, on import;
+agent/ never imports vision/); ``max_length`` counts its prompts with images expanded.
 """
 
 from __future__ import annotations
@@ -65,7 +69,13 @@ from rollpipe.agent.env_contract import (
     tool_runner,
 )
 from rollpipe.agent.env_errors import EnvFailed
-from rollpipe.agent.env_returns import check_reset, check_step, clip_reward, messages_text
+from rollpipe.agent.env_returns import (
+    check_reset,
+    check_step,
+    clip_reward,
+    has_images,
+    messages_text,
+)
 from rollpipe.agent.env_threads import EnvLease, EnvThreads
 from rollpipe.agent.generation_timeout import GenerationTimeoutError
 from rollpipe.agent.records import EndReason, EpisodeSpec, Trajectory
@@ -185,6 +195,26 @@ class EpisodeSettings:
         )
 
 
+ImageConversationFactory = Callable[[EpisodeSpec, ChatFormat, SamplingParams, Clock, Route], Any]
+"""Builds an episode's image conversation: ``(spec, chat, sampling, clock, route)``."""
+_IMAGE_CONVERSATION: list[ImageConversationFactory] = []
+
+
+def use_image_conversation(factory: ImageConversationFactory) -> None:
+    """Make ``factory`` build the conversation of episodes whose observations hold images
+    (``rollpipe.vision.conversation`` registers ``ImageConversation`` on import)."""
+    _IMAGE_CONVERSATION[:] = [factory]
+
+
+def _image_conversation(*args: Any) -> Conversation:
+    if not _IMAGE_CONVERSATION:
+        raise ValueError(
+            "the observation holds images but no image conversation is registered; "
+            "import rollpipe.vision.conversation (it needs the vision extra)"
+        )
+    return _IMAGE_CONVERSATION[0](*args)  # type: ignore[no-any-return]
+
+
 def _chat_conversation(
     spec: EpisodeSpec,
     chat: ChatFormat,
@@ -193,9 +223,12 @@ def _chat_conversation(
     sampling: SamplingParams,
     clock: Clock,
     route: Route,
-) -> ChatConversation | None:
+) -> Conversation | None:
     """A chat conversation for a chat env (tools, message observations or structured
-    actions), else None: text envs keep the text conversation."""
+    actions), an image conversation for an observation with images, else None: text
+    envs keep the text conversation."""
+    if has_images(observation):
+        return _image_conversation(spec, chat, sampling, clock, route)
     tools = env_tools(env)
     structured = takes_action(env)
     if not (tools or structured or not isinstance(observation, str)):
@@ -291,11 +324,12 @@ async def run_episode(
                 talk = _chat_conversation(spec, chat, env, observation, s.sampling, clock, route)
                 conv = conv if talk is None else talk
                 runner = tool_runner(env) if conv.structured else None  # the episode runs them
+                seen: Callable[[], int] | None = getattr(conv, "seen_length", None)  # images
             except ValueError as exc:  # tools without a schema, a window with a chat env
                 raise EnvFailed(exc, f"{type(env).__name__}.tools: {call_env.episode(0)}") from exc
             for t in range(s.max_turns):
                 prompt, added, packed, broke = conv.prompt(observation)
-                budget = s.max_length - len(prompt)
+                budget = s.max_length - (len(prompt) if seen is None else seen())
                 if budget < 1:
                     end_reason = "max_length"
                     break

@@ -34,6 +34,15 @@ turn rewards; step rows: the turn's reward), ``tags``, ``end_reasons``, ``uid`` 
 readable group id, verl's GRPO grouping key) and ``traj_uid`` (readable trajectory id);
 step rows also carry ``observations`` (the text each turn answered; ROLL's ``state_hash``
 is a sha256 of it, see ``rollpipe.data.roll_layout``).
+
+Image rows (trajectories of an image conversation, ``rollpipe.vision.conversation``):
+``input_ids`` hold the image pads expanded, as the model saw them, and trajectory rows
+carry ``multi_modal_inputs``, verl's ``non_tensor_batch["multi_modal_inputs"]``: per row
+a dict with ``pixel_values`` (the row's images' patches, concatenated in order) and
+``image_grid_thw`` (one ``[t, h, w]`` per image); ``{}`` for a row without images. Qwen-VL's
+3-D positions are computed from them with ``input_ids`` and ``attention_mask``
+(``rollpipe.vision.rows.mrope_position_ids``); ``position_ids`` stays the 1-D one. Text
+batches get no such column.
 """
 
 from __future__ import annotations
@@ -292,9 +301,24 @@ def trajectory_rows(
     tensors.update(_ids_fields(trajs, counts))
     step_scores = _repeat([t.step_scores for t in trajs], counts)
     non_tensors = _label_columns(trajs, counts, step_scores)
+    if any(getattr(u, "image_grid_thw", None) is not None for t in trajs for u in t.turns):
+        non_tensors["multi_modal_inputs"] = object_array(
+            _image_inputs(segment) for t in trajs for segment in _segments(t.turns)
+        )
     return DataProto.from_dict(
         tensors=tensors, non_tensors=non_tensors, meta_info=dict(meta_info or {})
     )
+
+
+def _image_inputs(turns: Sequence[Turn]) -> dict[str, torch.Tensor]:
+    """A row's ``multi_modal_inputs``: its turns' image features, concatenated."""
+    images: list[Any] = [u for u in turns if getattr(u, "image_grid_thw", None) is not None]
+    if not images:
+        return {}
+    return {
+        "pixel_values": torch.cat([u.pixel_values for u in images]),
+        "image_grid_thw": torch.cat([u.image_grid_thw for u in images]),
+    }
 
 
 def step_rows(
