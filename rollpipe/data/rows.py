@@ -36,13 +36,13 @@ step rows also carry ``observations`` (the text each turn answered; ROLL's ``sta
 is a sha256 of it, see ``rollpipe.data.roll_layout``).
 
 Image rows (trajectories of an image conversation, ``rollpipe.vision.conversation``):
-``input_ids`` hold the image pads expanded, as the model saw them, and trajectory rows
-carry ``multi_modal_inputs``, verl's ``non_tensor_batch["multi_modal_inputs"]``: per row
-a dict with ``pixel_values`` (the row's images' patches, concatenated in order) and
-``image_grid_thw`` (one ``[t, h, w]`` per image); ``{}`` for a row without images. Qwen-VL's
-3-D positions are computed from them with ``input_ids`` and ``attention_mask``
-(``rollpipe.vision.rows.mrope_position_ids``); ``position_ids`` stays the 1-D one. Text
-batches get no such column.
+``input_ids`` hold the image pads expanded, as the model saw them, and every row carries
+``multi_modal_inputs``, verl's ``non_tensor_batch["multi_modal_inputs"]``: a dict with
+``pixel_values`` (the row's images' patches, concatenated in order; a step row's: its row
+up to its turn) and ``image_grid_thw`` (one ``[t, h, w]`` per image); ``{}`` for a row
+without images. Qwen-VL's 3-D positions come from them with ``input_ids`` and
+``attention_mask`` (``rollpipe.vision.rows.mrope_position_ids``); ``position_ids`` stays
+the 1-D one. Text batches get no such column.
 """
 
 from __future__ import annotations
@@ -321,6 +321,16 @@ def _image_inputs(turns: Sequence[Turn]) -> dict[str, torch.Tensor]:
     }
 
 
+def _step_image_inputs(trajectories: Sequence[Trajectory]) -> Iterable[dict[str, Any]]:
+    """Each step row's ``multi_modal_inputs``: the images of its row so far (its
+    segment's turns up to this one; its own turn's alone in window mode)."""
+    for t in trajectories:
+        first = 0
+        for i, u in enumerate(t.turns):
+            first = i if u.new_row or t.history_window is not None else first
+            yield _image_inputs(t.turns[first : i + 1])
+
+
 def step_rows(
     trajectories: Sequence[Trajectory],
     pad_token_id: int,
@@ -381,6 +391,8 @@ def step_rows(
     tensors["state_hash"] = torch.tensor(hashes, dtype=torch.int64)
     non_tensors = _label_columns(trajs, counts, rewards)
     non_tensors["observations"] = object_array(observations)
+    if any(getattr(u, "image_grid_thw", None) is not None for t in trajs for u in t.turns):
+        non_tensors["multi_modal_inputs"] = object_array(_step_image_inputs(trajs))
     return DataProto.from_dict(
         tensors=tensors, non_tensors=non_tensors, meta_info=dict(meta_info or {})
     )

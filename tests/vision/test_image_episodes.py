@@ -19,7 +19,7 @@ import rollpipe.vision.conversation as image_conversation
 from rollpipe.agent.episode import EpisodeSettings, run_episode
 from rollpipe.agent.records import EpisodeSpec
 from rollpipe.config import PipelineConfig
-from rollpipe.data.rows import trajectory_rows
+from rollpipe.data.rows import step_rows, trajectory_rows
 from rollpipe.data.verl_layout import verl_parts
 from rollpipe.engines.images import ImageTokenError, image_token_counts
 from rollpipe.engines.records import Generation
@@ -76,6 +76,17 @@ def test_rows_carry_the_rows_images_as_verl_reads_them(lake_episode: Any, proces
     assert columns["multi_modal_inputs"][0] is mm  # verl's non_tensor_batch column
 
 
+def test_step_rows_carry_the_images_of_their_row_so_far(lake_episode: Any) -> None:
+    traj = lake_episode
+    rows = step_rows([traj], pad_token_id=0)
+    inputs = rows.non_tensor_batch["multi_modal_inputs"]
+    assert len(inputs) == traj.num_turns
+    for i, mm in enumerate(inputs):
+        turns = traj.turns[: i + 1]
+        assert torch.equal(mm["pixel_values"], torch.cat([u.pixel_values for u in turns]))
+        assert mm["image_grid_thw"].shape == (i + 1, 3)
+
+
 def test_text_rows_have_no_image_column(vlm_engine: Any) -> None:
     from rollpipe.agent.records import Trajectory, Turn
 
@@ -90,6 +101,7 @@ def test_text_rows_have_no_image_column(vlm_engine: Any) -> None:
         end_reason="terminated",
     )
     assert "multi_modal_inputs" not in trajectory_rows([traj], 0).non_tensor_batch
+    assert "multi_modal_inputs" not in step_rows([traj], 0).non_tensor_batch
 
 
 def test_an_hf_forward_on_the_row_reproduces_the_engines_logprobs(
