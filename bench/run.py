@@ -49,6 +49,7 @@ BENCHMARKS = (
     "turn_cost",
     "tool_turn",
     "frontdoor",
+    "image_turn",
 )
 NEEDS_ENGINE = {
     "efficiency",
@@ -195,6 +196,24 @@ SUMMARY = (
     ("11", "CPU per tool turn, 32 turns/episode", "tool_turn_cpu_us_32turns", "—", "{:.0f} µs"),
     ("11", "CPU per tool turn, 128 turns/episode", "tool_turn_cpu_us_128turns", "—", "{:.0f} µs"),
     ("11", "Tool turn CPU: 128 ÷ 32 turns", "tool_turn_cpu_128_over_32", "≤ 1.2", "{:.2f}×"),
+    ("14", "CPU per image turn, 8 turns/episode", "image_turn_cpu_us_8turns", "—", "{:.0f} µs"),
+    ("14", "CPU per image turn, 64 turns/episode", "image_turn_cpu_us_64turns", "—", "{:.0f} µs"),
+    (
+        "14",
+        "CPU per text turn, 64 turns/episode",
+        "chat_turn_cpu_us_64turns",
+        "—",
+        "{:.0f} µs",
+    ),
+    ("14", "Image turn CPU: 64 ÷ 8 turns", "image_turn_cpu_64_over_8", "flat", "{:.2f}×"),
+    ("14", "Images/s through the pipeline, tiny VLM", "pipeline_images_per_s", "—", "{:.1f}"),
+    (
+        "14",
+        "Image turns/s through the pipeline, tiny VLM",
+        "pipeline_image_turns_per_s",
+        "—",
+        "{:.1f}",
+    ),
 )
 
 
