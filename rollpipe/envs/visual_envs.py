@@ -81,6 +81,11 @@ class VisualGridEnv:
     def __init__(self, text_env: GridTextEnv, image: ImageConfig) -> None:
         if text_env.legend not in text_env.instruction:  # the legend line is swapped below
             raise ValueError(f"{type(text_env).__name__}.instruction does not show its legend")
+        # its observations hold images: the episode needs the image conversation, which
+        # importing rollpipe.vision registers (here, not at module level: text users of
+        # rollpipe.envs do not pay for it)
+        import rollpipe.vision  # noqa: F401
+
         self.text_env = text_env
         self.image_config = image
 

@@ -6,6 +6,11 @@ are skipped so that it imports; ``write_torchvision_pth()`` installs it in every
 interpreter of the environment. ``tiny_vlm`` builds a tiny random Qwen2-VL locally;
 ``checks`` catches the prompts and responses vLLM would silently corrupt. The engines
 carry images themselves (``engine.generate(..., images=...)``).
+
+Importing this package also registers the image conversation
+(``rollpipe.vision.conversation``) with the episode, after the guard is installed, so
+an env whose observations hold images needs nothing more than ``import rollpipe.vision``
+(the visual envs import it themselves).
 """
 
 from __future__ import annotations
@@ -18,3 +23,7 @@ _torchvision.install()
 write_torchvision_pth = _torchvision.write_pth
 """Write the .pth line that installs the guard in every interpreter of this environment
 (vLLM's engine-core processes, Ray workers, a vLLM server); returns its path."""
+
+from rollpipe.vision import conversation as _conversation  # noqa: E402  (after the guard)
+
+del _conversation  # imported for its registration with the episode

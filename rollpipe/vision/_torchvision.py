@@ -36,12 +36,21 @@ REGISTRATIONS = ("torchvision._meta_registrations", "torchvision._autograd_regis
 
 PTH_NAME = "rollpipe_torchvision.pth"
 PTH_LINE = (
-    "import importlib.util; importlib.util.find_spec('rollpipe') is not None and "
-    "__import__('rollpipe.vision._torchvision', fromlist=['install']).install()\n"
+    "import importlib.util as _u, os as _o, sys as _s; _r = _u.find_spec('rollpipe'); "
+    "_m = _r and _r.submodule_search_locations and _u.spec_from_file_location("
+    "'rollpipe_torchvision_guard', _o.path.join(list(_r.submodule_search_locations)[0], "
+    "'vision', '_torchvision.py')); _g = _m and _u.module_from_spec(_m); "
+    "_g and (_s.modules.setdefault(_m.name, _g), _m.loader.exec_module(_g), _g.install())\n"
 )
-"""One line a virtualenv's ``site`` runs at every start (skipped if rollpipe is gone)."""
+"""One line a virtualenv's ``site`` runs at every start (skipped if rollpipe is gone). It
+loads this file alone, as ``STARTUP_NAME``, without running ``rollpipe/vision/__init__.py``
+(which imports the image conversation, torch with it): start-up stays at milliseconds;
+``rollpipe.vision._torchvision`` shares its record of what it skipped."""
+STARTUP_NAME = "rollpipe_torchvision_guard"
 
-_skipped: list[str] = []
+# the copy the .pth line loaded (when this is not it): one record of what was skipped
+_started = sys.modules.get(STARTUP_NAME) if __name__ != STARTUP_NAME else None
+_skipped: list[str] = getattr(_started, "_skipped", [])
 
 
 def skipped() -> tuple[str, ...]:
