@@ -196,8 +196,11 @@ def bench(session: nox.Session) -> None:
 
     `nox -s bench -- --quick` finishes in under 10 minutes on 2 CPU cores; `nox -s bench
     -- --smoke` (what CI runs) runs the smallest case of each once and writes nothing.
+
+    The vision extra comes too, as in `nox -s vision` (torchvision kept, the guard's .pth
+    line written), so the image benchmark (bench/image_turn.py) runs on the tiny VLM.
     """
-    install_project(session, "cpu,bench")
+    install_project(session, "cpu,bench,vision")
     session.run("python", "-m", "bench.run", *session.posargs)
 
 
