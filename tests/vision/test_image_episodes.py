@@ -73,7 +73,8 @@ def test_rows_carry_the_rows_images_as_verl_reads_them(lake_episode: Any, proces
     ids = rows.batch["input_ids"][0].tolist()
     assert ids == [i for u in traj.turns for i in (*u.prompt_ids, *u.response_ids)]
     _, columns, _ = verl_parts(rows)
-    assert columns["multi_modal_inputs"][0] is mm  # verl's non_tensor_batch column
+    verl_mm = columns["multi_modal_inputs"][0]  # verl's non_tensor_batch column
+    assert all(verl_mm[k] is v for k, v in mm.items()) and "images_seqlens" in verl_mm
 
 
 def test_step_rows_carry_the_images_of_their_row_so_far(lake_episode: Any) -> None:
