@@ -42,9 +42,11 @@ turn. An env that declares a ``tool_runner`` (``ToolEnv``) has its tool calls ru
 by the episode, before its ``step`` gets the action with their results
 (``action.tool_results``). Text envs run exactly as before.
 
-An env whose first observation holds an image part runs the image conversation that
-:func:`use_image_conversation` registered (``rollpipe.vision.conversation`` does, on import;
-agent/ never imports vision/); ``max_length`` counts its prompts with images expanded.
+A chat env runs the image conversation when its first observation holds an image, or
+on an engine that supports images (so images may come later: a tool's picture, a later
+observation); :mod:`rollpipe.agent.conversation_choice` decides and holds the hook the
+image conversation registers with (agent/ never imports vision/). ``max_length`` counts
+its prompts with images expanded.
 """
 
 from __future__ import annotations
@@ -58,28 +60,15 @@ import attrs
 
 from rollpipe._utils.checks import float_in, instance_of, int_in, one_of, optional, seconds_or_none
 from rollpipe.agent.chat import DEFAULT_SYSTEM_PROMPT, ChatFormat, parser_name
-from rollpipe.agent.conversation import ChatConversation, Conversation, TextConversation
+from rollpipe.agent.conversation import Conversation, TextConversation
+from rollpipe.agent.conversation_choice import episode_conversation
 from rollpipe.agent.env_caller import Clock, EnvCaller
-from rollpipe.agent.env_contract import (
-    aggregate_metrics,
-    env_tools,
-    is_blocking,
-    step_metrics,
-    takes_action,
-    tool_runner,
-)
+from rollpipe.agent.env_contract import aggregate_metrics, is_blocking, step_metrics, tool_runner
 from rollpipe.agent.env_errors import EnvFailed
-from rollpipe.agent.env_returns import (
-    check_reset,
-    check_step,
-    clip_reward,
-    has_images,
-    messages_text,
-)
+from rollpipe.agent.env_returns import check_reset, check_step, clip_reward, messages_text
 from rollpipe.agent.env_threads import EnvLease, EnvThreads
 from rollpipe.agent.generation_timeout import GenerationTimeoutError
 from rollpipe.agent.records import EndReason, EpisodeSpec, Trajectory
-from rollpipe.agent.tools import tool_set
 from rollpipe.engines.protocol import Engine
 from rollpipe.engines.records import SamplingParams
 from rollpipe.engines.routing import Route, in_route
@@ -195,49 +184,6 @@ class EpisodeSettings:
         )
 
 
-ImageConversationFactory = Callable[[EpisodeSpec, ChatFormat, SamplingParams, Clock, Route], Any]
-"""Builds an episode's image conversation: ``(spec, chat, sampling, clock, route)``."""
-_IMAGE_CONVERSATION: list[ImageConversationFactory] = []
-
-
-def use_image_conversation(factory: ImageConversationFactory) -> None:
-    """Make ``factory`` build the conversation of episodes whose observations hold images
-    (``rollpipe.vision.conversation`` registers ``ImageConversation`` on import)."""
-    _IMAGE_CONVERSATION[:] = [factory]
-
-
-def _image_conversation(*args: Any) -> Conversation:
-    if not _IMAGE_CONVERSATION:
-        raise ValueError(
-            "the observation holds images but no image conversation is registered; "
-            "import rollpipe.vision.conversation (it needs the vision extra)"
-        )
-    return _IMAGE_CONVERSATION[0](*args)  # type: ignore[no-any-return]
-
-
-def _chat_conversation(
-    spec: EpisodeSpec,
-    chat: ChatFormat,
-    env: Any,
-    observation: Any,
-    sampling: SamplingParams,
-    clock: Clock,
-    route: Route,
-) -> Conversation | None:
-    """A chat conversation for a chat env (tools, message observations or structured
-    actions), an image conversation for an observation with images, else None: text
-    envs keep the text conversation."""
-    if has_images(observation):
-        return _image_conversation(spec, chat, sampling, clock, route)
-    tools = env_tools(env)
-    structured = takes_action(env)
-    if not (tools or structured or not isinstance(observation, str)):
-        return None
-    return ChatConversation(
-        spec, chat, sampling, clock, route, tools=tool_set(tools), structured=structured
-    )
-
-
 async def run_episode(
     spec: EpisodeSpec,
     env: Any,
@@ -321,7 +267,9 @@ async def run_episode(
             observation, info = await call_env("reset", 0, reset, spec.seed, **row)
             success = bool(info.get("success", False))
             try:
-                talk = _chat_conversation(spec, chat, env, observation, s.sampling, clock, route)
+                talk = episode_conversation(
+                    spec, chat, env, observation, s.sampling, clock, route, engine
+                )
                 conv = conv if talk is None else talk
                 runner = tool_runner(env) if conv.structured else None  # the episode runs them
                 seen: Callable[[], int] | None = getattr(conv, "seen_length", None)  # images

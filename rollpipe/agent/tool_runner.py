@@ -19,6 +19,14 @@ Outcomes of one call, each a ``tool`` message and a count (``tool/calls``, and o
   ``max_result_chars`` characters (the cut counted as ``tool/cut``; None: no limit), so
   one huge result cannot flood the prompt.
 
+A tool may also return an image (a ``PIL.Image`` or an ``H x W x 3`` uint8 array) or a
+list of content parts (``rollpipe.agent.content``: text and images). Its tool message
+then holds the text parts (joined; the cut applies to them only) and the turn's images
+follow in ONE ``user`` message after the turn's tool messages, in the calls' order: the
+env contract takes content parts in user messages only, and every vision template
+renders an image in a user message (Qwen2-VL's would show one in a tool message too).
+The episode's image conversation renders them (an engine that supports images).
+
 Blocking tools run on :class:`~rollpipe.agent.env_threads.EnvThreads` (timed by the
 loop's own timer); coroutine tools are awaited with ``asyncio.wait_for``. The calls of
 one turn run one after another, in the order the model wrote them.
@@ -35,6 +43,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rollpipe.agent.actions import AssistantAction, ToolCall, ToolResults, tool_message
+from rollpipe.agent.content import ContentPart, check_parts, is_image
 from rollpipe.agent.env_contract import EnvStateError
 from rollpipe.agent.env_threads import EnvThreads, EnvTimeoutError
 from rollpipe.agent.tools import ToolSet
@@ -94,6 +103,20 @@ def argument_problem(parameters: Mapping[str, Any], kwargs: Mapping[str, Any]) -
     return None
 
 
+def _result_parts(result: Any, where: str) -> tuple[str, list[ContentPart]] | None:
+    """A result's text and images when it is an image or a list of content parts (the
+    text parts joined), else None; ``ContentError`` for a malformed parts list."""
+    if is_image(result):
+        return "", [{"type": "image", "image": result}]
+    if not (isinstance(result, list) and result and isinstance(result[0], dict)):
+        return None
+    if not any(isinstance(p, dict) and p.get("type") == "image" for p in result):
+        return None  # a list of plain dicts: JSON, as before
+    parts = check_parts(result, where)
+    text = "".join(p["text"] for p in parts if p["type"] == "text")
+    return text, [p for p in parts if p["type"] == "image"]
+
+
 def _result_text(result: Any) -> str:
     if isinstance(result, str):
         return result
@@ -143,14 +166,16 @@ class ToolRunner:
     async def run(self, action: AssistantAction) -> ToolResults:
         """One tool message per call (one for unreadable markup), and the counts."""
         counts = dict.fromkeys((f"tool/{k}" for k in TOOL_METRIC_KINDS), 0.0)
-        messages: list[dict[str, str]] = []
+        messages: list[dict[str, Any]] = []
+        images: list[ContentPart] = []  # the calls' images, shown after their messages
         if action.parse_error is not None:
             counts["tool/calls"] += 1
             counts["tool/malformed"] += 1
             text = f"error: the tool call could not be read: {action.parse_error}"
             messages.append({"role": "tool", "content": text})
         for call in action.tool_calls:
-            kind, text = await self._one(call)
+            kind, text, pictures = await self._one(call)
+            images.extend(pictures)
             for key in ("calls", kind) if kind != "calls" else ("calls",):
                 counts[f"tool/{key}"] += 1
                 counts[f"tool/{key}/{call.name}"] = counts.get(f"tool/{key}/{call.name}", 0) + 1
@@ -160,10 +185,24 @@ class ToolRunner:
                 counts["tool/cut"] += 1
                 counts[f"tool/cut/{call.name}"] = counts.get(f"tool/cut/{call.name}", 0) + 1
             messages.append(dict(tool_message(call.id, call.name, text)))
+        if images:
+            messages.append({"role": "user", "content": images})
         return ToolResults(messages, counts)
 
-    async def _one(self, call: ToolCall) -> tuple[str, str]:
-        """``(kind, message text)`` of one call; kind is ``"calls"`` when it ran fine."""
+    async def _one(self, call: ToolCall) -> tuple[str, str, list[ContentPart]]:
+        """``(kind, message text, images)`` of one call; kind is ``"calls"`` when it ran
+        fine."""
+        kind, result = await self._result(call)
+        if kind != "calls":
+            return kind, result, []
+        try:
+            found = _result_parts(result, f"{call.name}'s result")
+        except ValueError as exc:  # a malformed parts list: the tool's bug, told to the model
+            return "errors", f"error: {call.name} returned {exc}", []
+        return ("calls", _result_text(result), []) if found is None else ("calls", *found)
+
+    async def _result(self, call: ToolCall) -> tuple[str, Any]:
+        """``(kind, the tool's result or the error message)``."""
         if call.name not in self.tools.names:
             known = ", ".join(self.tools.names) or "none"
             return "malformed", f"error: unknown tool {call.name!r}; the tools are: {known}"
@@ -191,7 +230,7 @@ class ToolRunner:
             return "timeouts", f"error: {call.name} returned no result within {self.timeout_s} s"
         except Exception as exc:  # the tool's failure is the model's observation
             return "errors", f"error: {call.name} raised {type(exc).__name__}: {exc}"
-        return "calls", _result_text(result)
+        return "calls", result
 
     def close(self) -> None:
         """End the worker threads (a hung tool's thread ends when its call returns)."""

@@ -3,8 +3,9 @@
 Every problem is a :class:`RequestError` naming the field (OpenAI's ``param``) and what
 to send instead; the server answers it as OpenAI-style error JSON with status 400.
 Messages are normalised to the plain dicts a chat template reads (``role``, ``content``
-as text, ``tool_calls`` with JSON-text arguments, ``tool_call_id``, ``name``,
-``reasoning_content``), so the same conversation compares equal however the client
+as text (a user message with ``image_url`` parts: rollpipe's content parts, the images
+decoded by ``images.py``), ``tool_calls`` with JSON-text arguments, ``tool_call_id``,
+``name``, ``reasoning_content``), so the same conversation compares equal however the client
 serialised it (``content=None`` or ``""``, extra ``refusal`` / ``annotations`` fields).
 
 Fields that would change how the server renders (``chat_template``,
@@ -18,6 +19,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+
+from rollpipe.frontdoor.images import ImagePartError, decode_image_part
 
 __all__ = ["ChatRequest", "RequestError", "normalise_message", "parse_chat_request"]
 
@@ -85,19 +88,52 @@ def _text(content: Any, where: str) -> str:
         parts = []
         for i, part in enumerate(content):
             if not isinstance(part, Mapping) or part.get("type") != "text":
+                also = " (image_url parts go in user messages)" if _is_image(part) else ""
                 raise RequestError(
-                    f"{where}[{i}] must be a text part {{'type': 'text', 'text': ...}}; this "
-                    "server takes text only",
+                    f"{where}[{i}] must be a text part {{'type': 'text', 'text': ...}}{also}",
                     f"{where}[{i}]",
                 )
-            if not isinstance(part.get("text"), str):
-                raise RequestError(f"{where}[{i}].text must be a string", f"{where}[{i}].text")
-            parts.append(part["text"])
+            parts.append(_part_text(part, f"{where}[{i}]"))
         return "".join(parts)
     raise RequestError(
         f"{where} must be a string, null or a list of text parts, got {type(content).__name__}",
         where,
     )
+
+
+def _is_image(part: Any) -> bool:
+    return isinstance(part, Mapping) and part.get("type") == "image_url"
+
+
+def _part_text(part: Mapping[str, Any], where: str) -> str:
+    if not isinstance(part.get("text"), str):
+        raise RequestError(f"{where}.text must be a string", f"{where}.text")
+    return str(part["text"])
+
+
+def _user_content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A user message's content: text (as :func:`_text`), or, when it holds
+    ``image_url`` parts, rollpipe's content parts (``rollpipe.agent.content``) with each
+    image decoded (``images.py``: ``data:`` URLs only)."""
+    if not isinstance(content, list) or not any(_is_image(p) for p in content):
+        return _text(content, where)
+    parts: list[dict[str, Any]] = []
+    for i, part in enumerate(content):
+        at = f"{where}[{i}]"
+        if _is_image(part):
+            try:
+                parts.append({"type": "image", "image": decode_image_part(part, at)})
+            except ImagePartError as exc:
+                raise RequestError(str(exc), exc.param) from exc
+        elif isinstance(part, Mapping) and part.get("type") == "text":
+            parts.append({"type": "text", "text": _part_text(part, at)})
+        else:
+            raise RequestError(
+                f"{at} must be a text part {{'type': 'text', 'text': ...}} or an image part "
+                "{'type': 'image_url', 'image_url': {'url': 'data:image/png;base64,...'}}",
+                at,
+            )
+    return parts
 
 
 def _tool_call(call: Any, where: str) -> dict[str, Any]:
@@ -127,9 +163,10 @@ def normalise_message(message: Any, where: str) -> dict[str, Any]:
     role = message.get("role")
     if role not in ROLES:
         raise RequestError(f"{where}.role is {role!r}; use one of {ROLES}", f"{where}.role")
+    content, at = message.get("content"), f"{where}.content"
     out: dict[str, Any] = {
         "role": role,
-        "content": _text(message.get("content"), f"{where}.content"),
+        "content": _user_content(content, at) if role == "user" else _text(content, at),
     }
     calls = message.get("tool_calls")
     if calls:

@@ -1,8 +1,10 @@
 """FrontDoor: an OpenAI-compatible server whose every call becomes exact training ids.
 
-``/v1/models`` and ``/v1/chat/completions`` (messages, ``tools``, ``tool_choice`` auto,
-none, required or a named function (``forced.py``), sampling fields, ``stop`` strings,
-``n=1``, ``logprobs`` and ``top_logprobs``, ``stream`` token by token (``streaming.py``)),
+``/v1/models`` and ``/v1/chat/completions`` (messages, with ``image_url`` parts as
+``data:`` URLs on an engine that supports images (``images.py``), ``tools``,
+``tool_choice`` auto, none, required or a named function (``forced.py``), sampling
+fields, ``stop`` strings, ``n=1``, ``logprobs`` and ``top_logprobs``, ``stream`` token by
+token (``streaming.py``)),
 served by ``aiohttp.web`` on the engine's own runtime loop: no second event loop, no
 thread hop between a request and the engine. Each session has its own key
 (``Authorization: Bearer <key>``). A request with a missing, unknown or finished key
@@ -36,12 +38,14 @@ from typing import Any
 from aiohttp import web
 
 from rollpipe.agent.chat import ChatFormat
+from rollpipe.agent.conversation_choice import image_conversation_registered
 from rollpipe.agent.episode import EpisodeSettings
 from rollpipe.agent.records import EpisodeSpec, Trajectory
 from rollpipe.engines.protocol import Engine, engine_supports
 from rollpipe.frontdoor.answers import WholeAnswer
 from rollpipe.frontdoor.chunks import parser_class
 from rollpipe.frontdoor.forced import forced_outputs
+from rollpipe.frontdoor.images import image_parts
 from rollpipe.frontdoor.requests import ChatRequest, RequestError, parse_chat_request
 from rollpipe.frontdoor.responses import models_body
 from rollpipe.frontdoor.session import AgentSession
@@ -212,8 +216,15 @@ class FrontDoor:
             n = next(self._ids)
             spec = EpisodeSpec(n, n, n, "agent")
         key = "rp-" + secrets.token_urlsafe(24)
+        images = engine_supports(self.engine, "images") and image_conversation_registered()
         session = AgentSession(
-            key, spec, self.chat, admit, keep_tools=keep_tools, sampling=self.settings.sampling
+            key,
+            spec,
+            self.chat,
+            admit,
+            keep_tools=keep_tools,
+            sampling=self.settings.sampling,
+            images=images,
         )
         self.sessions[key] = session
         if timeout_s is not None:
@@ -317,6 +328,14 @@ class FrontDoor:
 
     def _check_engine(self, request: ChatRequest, outputs: dict[str, Any] | None) -> None:
         """A 400 for what the request needs and the engine cannot do (its ``supports``)."""
+        where = image_parts(request.messages)
+        if where and not engine_supports(self.engine, "images"):
+            raise RequestError(
+                f"{where[0]} is an image: this server's engine ({type(self.engine).__name__}) "
+                "does not support images (supports('images') is False); serve a "
+                "vision-language model on a VLLMEngine or HFEngine, or send text only",
+                where[0],
+            )
         needs = []
         if request.sampling.get("top_logprobs"):
             needs.append(("top_logprobs", request.sampling["top_logprobs"], "top_logprobs"))

@@ -32,13 +32,16 @@ import attrs
 from rollpipe.agent.actions import AssistantAction
 from rollpipe.agent.chat import ChatFormat
 from rollpipe.agent.conversation import ChatConversation, ChatPrompt
+from rollpipe.agent.conversation_choice import image_conversation
 from rollpipe.agent.env_returns import messages_text
 from rollpipe.agent.episode import EpisodeSettings
 from rollpipe.agent.records import EndReason, EpisodeSpec, Trajectory, Turn
 from rollpipe.agent.tools import ToolSet, tool_set
+from rollpipe.engines.images import ImageTokenError
 from rollpipe.engines.protocol import Engine, OnTokens
-from rollpipe.engines.records import Generation, SamplingParams
+from rollpipe.engines.records import EngineError, Generation, SamplingParams
 from rollpipe.frontdoor.forced import forced_action
+from rollpipe.frontdoor.images import image_parts
 from rollpipe.frontdoor.requests import ChatRequest, RequestError, normalise_message
 from rollpipe.frontdoor.stops import cut_at_stop
 
@@ -75,7 +78,11 @@ class AgentSession:
     ``streaming.py``) drive the last two. ``admit`` (the pipeline's admission, awaited
     before each engine request) holds requests while the pipeline is suspended.
     ``keep_tools``: render a request without ``tools`` with the session's last tools.
-    ``sampling``: the door's sampling, under each request's own fields.
+    ``sampling``: the door's sampling, under each request's own fields. ``images``: the
+    conversation is the registered image conversation (the door's engine supports
+    images: ``rollpipe.vision.conversation``), so requests may hold images from any call
+    on; its rows carry the expanded ids and each turn's image features, as an env
+    episode's do.
     """
 
     def __init__(
@@ -87,10 +94,12 @@ class AgentSession:
         *,
         keep_tools: bool = True,
         sampling: SamplingParams | None = None,
+        images: bool = False,
     ) -> None:
         self.key, self.spec, self.chat, self.admit = key, spec, chat, admit
-        self.keep_tools = keep_tools
-        self.conversation = ChatConversation(spec, chat, sampling or SamplingParams())
+        self.keep_tools, self.images = keep_tools, images
+        kind = image_conversation if images else ChatConversation
+        self.conversation = kind(spec, chat, sampling or SamplingParams(), tools=None)
         self.tool_calls = 0  # calls the model made (``tool/calls``), and malformed ones
         self.malformed = 0
         self.lock = asyncio.Lock()
@@ -186,13 +195,21 @@ class AgentSession:
     ) -> Call:
         """The call of ``request``: its engine prompt and sampling (``outputs``: a forced
         call's grammar, ``json_calls``: its call comes as JSON); ``RequestError`` when the
-        prompt leaves no room within ``max_length``."""
+        prompt leaves no room within ``max_length`` (images count expanded), or it holds
+        images and the session's conversation has none."""
+        if not self.images and (where := image_parts(request.messages)):
+            raise RequestError(
+                f"{where[0]}: this session cannot take images: no image conversation is "
+                "registered; import rollpipe.vision.conversation (the vision extra) "
+                "before opening the session",
+                where[0],
+            )
         prompt = self.prompt_for(request)
-        budget = max_length - len(prompt.ids)
+        length = getattr(prompt, "seen_length", len(prompt.ids))  # images expanded
+        budget = max_length - length
         if budget < 1:
             raise RequestError(
-                f"the prompt has {len(prompt.ids)} tokens, max_length is {max_length}: "
-                "shorten the messages",
+                f"the prompt has {length} tokens, max_length is {max_length}: shorten the messages",
                 "messages",
                 code="context_length_exceeded",
             )
@@ -219,15 +236,18 @@ class AgentSession:
         (``stops.py``). Its engine request is held while the pipeline is suspended, kept
         on the session's rank, within ``settings``' limits; ``on_tokens`` sees its ids
         as they come (streamed)."""
-        gen = await self.conversation.generate(
-            engine,
-            call.prompt.ids,
-            call.params,
-            admit=self.admit,
-            max_aborts=settings.max_aborts,
-            timeout_s=settings.generation_timeout_s,
-            on_tokens=on_tokens,
-        )
+        try:
+            gen = await self.conversation.generate(
+                engine,
+                call.prompt.ids,
+                call.params,
+                admit=self.admit,
+                max_aborts=settings.max_aborts,
+                timeout_s=settings.generation_timeout_s,
+                on_tokens=on_tokens,
+            )
+        except ImageTokenError as exc:  # the engine read other tokens than the row holds
+            raise EngineError(str(exc)) from exc
         decode = self.chat.decode_for_parsing
         gen, cut = cut_at_stop(gen, call.request.stop, decode)
         return gen, decode(list(gen.token_ids)) if cut is None else cut
@@ -307,9 +327,12 @@ class AgentSession:
         )
 
 
-def _shown(message: Mapping[str, Any]) -> dict[str, str]:
-    """A message as ``messages_text`` shows it (tool results prefixed with the tool)."""
-    out = {"role": str(message["role"]), "content": str(message.get("content") or "")}
+def _shown(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A message as ``messages_text`` shows it (tool results prefixed with the tool, an
+    image as ``<image WxH>``)."""
+    content = message.get("content") or ""
+    shown = content if isinstance(content, list) else str(content)
+    out = {"role": str(message["role"]), "content": shown}
     if message.get("name"):
         out["name"] = str(message["name"])
     return out
