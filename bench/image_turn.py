@@ -4,7 +4,7 @@
 engine answers every request at once with a fixed response, so the CPU spent is
 rollpipe's; figures are process CPU time (``time.process_time``) over one ``get_batch``
 of ``EPISODES`` episodes, divided by the turns taken. Both arms use the tiny VLM's
-tokenizer and chat template (``rollpipe.vision.tiny_vlm.default_vlm_path``); episodes
+tokenizer and chat template (``rollpipe.training.tiny_vlm.default_vlm_path``); episodes
 never end before ``T`` turns (8, 16, 32, 64), and every observation is one user message
 with the same text:
 
@@ -329,7 +329,7 @@ def run(ctx: BenchContext) -> Figures:
     if error is not None:
         ctx.log(f"  skipped: torchvision does not import ({error}); install the vision extra")
         return {"image_turn_skipped": f"torchvision does not import: {error}"}
-    from rollpipe.vision.tiny_vlm import default_vlm_path
+    from rollpipe.training.tiny_vlm import default_vlm_path
 
     vlm = default_vlm_path()
     with one_torch_thread():

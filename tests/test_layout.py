@@ -402,7 +402,7 @@ def test_every_public_name_resolves():
 
 
 TRAINING = "rollpipe.training"
-TRAINING_USERS = {"rollpipe", "rollpipe.cli", "rollpipe.vision.tiny_vlm"}
+TRAINING_USERS = {"rollpipe", "rollpipe.cli"}
 """What may import the training package: the lazy re-export table (``RolloutBuffer``,
 the tiny model), the CLI (``rollpipe train``, its default model) and the tiny VLM (built
 on the tiny model's tokenizer, into its cache dir)."""

@@ -1,11 +1,13 @@
-"""Images for vision-language agents: the tiny VLM, image-token checks, torchvision on CPU.
+"""Images for vision-language agents: the image conversation, image-token checks, image
+rows' 3-D positions, torchvision on CPU.
 
 Importing this package installs the torchvision guard (``_torchvision.install``): on a
 CPU torch with a CUDA torchvision wheel, torchvision's two operator-registration modules
 are skipped so that it imports; ``write_torchvision_pth()`` installs it in every
-interpreter of the environment. ``tiny_vlm`` builds a tiny random Qwen2-VL locally;
-``checks`` catches the prompts and responses vLLM would silently corrupt. The engines
-carry images themselves (``engine.generate(..., images=...)``).
+interpreter of the environment. ``checks`` catches the prompts and responses vLLM would
+silently corrupt; the tiny VLM the tests run on is training material, built with the tiny
+text model (``rollpipe.training.tiny_vlm``). The engines carry images themselves
+(``engine.generate(..., images=...)``).
 
 Importing this package also registers the image conversation
 (``rollpipe.vision.conversation``) with the episode, after the guard is installed, so

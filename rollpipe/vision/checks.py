@@ -66,7 +66,7 @@ def vision_tokens(tokenizer: Any) -> VisionTokens:
 
     Examples:
         >>> from transformers import AutoTokenizer
-        >>> from rollpipe.vision.tiny_vlm import default_vlm_path
+        >>> from rollpipe.training.tiny_vlm import default_vlm_path
         >>> tokens = vision_tokens(AutoTokenizer.from_pretrained(default_vlm_path()))
         >>> tokens.image_pad, tokens.banned
         (514, (512, 513, 514, 515))
@@ -86,7 +86,7 @@ def vision_token_ids(tokenizer: Any) -> tuple[int, ...]:
 
     Examples:
         >>> from transformers import AutoTokenizer
-        >>> from rollpipe.vision.tiny_vlm import default_vlm_path
+        >>> from rollpipe.training.tiny_vlm import default_vlm_path
         >>> vision_token_ids(AutoTokenizer.from_pretrained(default_vlm_path()))
         (512, 513, 514, 515)
     """

@@ -35,7 +35,7 @@ collect_ignore_glob = [] if _torchvision_imports() else ["test_*.py"]
 @pytest.fixture(scope="session")
 def vlm_path() -> Path:
     """The tiny random Qwen2-VL (built once into the user cache)."""
-    from rollpipe.vision.tiny_vlm import default_vlm_path
+    from rollpipe.training.tiny_vlm import default_vlm_path
 
     return default_vlm_path()
 

@@ -187,7 +187,7 @@ def test_the_local_expansion_equals_the_processors(
 
 
 @pytest.mark.parametrize(
-    "module", ["rollpipe.engines.images", "rollpipe.vision.checks", "rollpipe.vision.tiny_vlm"]
+    "module", ["rollpipe.engines.images", "rollpipe.vision.checks", "rollpipe.training.tiny_vlm"]
 )
 def test_the_examples_run(module: str) -> None:
     mod = importlib.import_module(module)

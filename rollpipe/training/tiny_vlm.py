@@ -145,6 +145,8 @@ def build_tiny_vlm(path: str | os.PathLike[str], seed: int = 0) -> Path:
         Qwen2VLVideoProcessor,
     )
 
+    import rollpipe.vision  # noqa: F401  (its torchvision guard: the processor imports it)
+
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"build_tiny_vlm: seed must be an int >= 0, got {seed!r}")
     out = Path(path)
