@@ -136,8 +136,14 @@ def vision(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def compat(session: nox.Session) -> None:
     """rollpipe's batches through verl's own code: `to_verl()` on a real pipeline batch,
-    then verl's reward extraction, GRPO advantage, PPO policy loss and data metrics."""
-    install_project(session, "cpu,dev,compat")
+    then verl's reward extraction, GRPO advantage, PPO policy loss and data metrics; and
+    image rows (Visual FrozenLake on the tiny VLM) through verl's DataProto, its Qwen2-VL
+    rope index, its no-padding conversion and FSDP engine's model inputs.
+
+    The vision extra comes too, as in `nox -s vision` (torchvision kept, the guard's .pth
+    line written), for the image rows' engine and processor.
+    """
+    install_project(session, "cpu,dev,compat,vision")
     session.install("--no-deps", VERL)
     session.run("python", "-c", "import verl.protocol, verl.trainer.ppo.ray_trainer")
     session.run("pytest", "tests/compat", *(session.posargs or ["-q"]))
