@@ -16,6 +16,7 @@ with what the engine reports.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import reprlib
@@ -127,8 +128,25 @@ def check_images(images: Sequence[ImageLike]) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def _pad_positions(ids: Sequence[int], pad: int) -> np.ndarray:
-    return np.flatnonzero(np.asarray(ids, dtype=np.int64) == pad)
+def _as_list(ids: Sequence[int]) -> list[int]:
+    """``ids`` as a list (a list as it is; a prompt view or tuple copied at C speed)."""
+    if isinstance(ids, list):
+        return ids
+    tolist = getattr(ids, "tolist", None)
+    return list(tolist()) if callable(tolist) else list(ids)
+
+
+def _pad_positions(ids: Sequence[int], pad: int) -> list[int]:
+    """Where ``pad`` stands in ``ids``: one C-level ``list.index`` scan per pad, so a
+    prompt costs a few Python steps per image, not one per id (the whole conversation
+    is checked on every turn)."""
+    ids = _as_list(ids)
+    out: list[int] = []
+    at = -1
+    for _ in range(ids.count(pad)):
+        at = ids.index(pad, at + 1)
+        out.append(at)
+    return out
 
 
 def check_image_prompt(
@@ -146,9 +164,8 @@ def check_image_prompt(
         ...
         rollpipe.engines.images.ImageTokenError: turn 2: the prompt holds 4 image pad ids ...
     """
-    count = prompt_ids.count(tokens.image_pad) if isinstance(prompt_ids, list) else None
-    if count is None:
-        count = len(_pad_positions(prompt_ids, tokens.image_pad))
+    prompt_ids = _as_list(prompt_ids)
+    count = prompt_ids.count(tokens.image_pad)
     if count != num_images:
         raise ImageTokenError(
             f"{where}: the prompt holds {count} image pad ids (id {tokens.image_pad}) for "
@@ -156,7 +173,8 @@ def check_image_prompt(
             "conversation's images so far, in order (the engine expands them)"
         )
     if count > 1:
-        runs = int(np.count_nonzero(np.diff(_pad_positions(prompt_ids, tokens.image_pad)) == 1))
+        positions = _pad_positions(prompt_ids, tokens.image_pad)
+        runs = sum(b - a == 1 for a, b in itertools.pairwise(positions))
         if runs:
             raise ImageTokenError(
                 f"{where}: {runs} image pad ids follow another pad ({count} pads for "
@@ -199,13 +217,31 @@ def collapse_image_pads(ids: Sequence[int], pad_id: int) -> list[int]:
         >>> collapse_image_pads([1, 9, 9, 9, 2, 9, 9, 3], 9)
         [1, 9, 2, 9, 3]
     """
-    a = np.asarray(ids, dtype=np.int64)
-    if not len(a):
-        return []
-    keep = np.ones(len(a), dtype=bool)
-    keep[1:] = ~((a[1:] == pad_id) & (a[:-1] == pad_id))
-    out: list[int] = a[keep].tolist()
+    ids = _as_list(ids)
+    out: list[int] = []
+    start = 0
+    while True:  # C-level scans: a few Python steps per run
+        try:
+            at = ids.index(pad_id, start)
+        except ValueError:
+            break
+        out.extend(ids[start : at + 1])
+        start = _run_end(ids, at + 1, pad_id)  # the rest of its run left out
+    out.extend(ids[start:])
     return out
+
+
+def _run_end(ids: list[int], start: int, pad_id: int) -> int:
+    """The end of the run of ``pad_id`` starting at ``start``: the next id that is not a
+    pad, found by C-level slices (doubling steps), not one Python step per id."""
+    step = 1
+    while start < len(ids):
+        chunk = ids[start : start + step]
+        if chunk.count(pad_id) != len(chunk):
+            return start + next(i for i, v in enumerate(chunk) if v != pad_id)
+        start += len(chunk)
+        step *= 2
+    return start
 
 
 def check_reported_prompt(
@@ -220,13 +256,31 @@ def check_reported_prompt(
     checks each run's length."""
     if reported is None:
         raise ImageTokenError(f"{where}: the engine reported no expanded prompt")
-    if collapse_image_pads(reported, tokens.image_pad) != list(sent):
+    if not _is_expansion(_as_list(sent), _as_list(reported), tokens.image_pad):
         raise ImageTokenError(
             f"{where}: the engine's expanded prompt ({len(reported)} ids, "
             f"{len(_pad_positions(reported, tokens.image_pad))} image pads) is not the sent "
             f"prompt ({len(sent)} ids, {len(_pad_positions(sent, tokens.image_pad))} image "
             "pads) with each pad expanded"
         )
+
+
+def _is_expansion(sent: list[int], reported: list[int], pad: int) -> bool:
+    """Whether ``reported`` is ``sent`` with each (isolated) pad as a run of one or more
+    pads: the text between pads compared as C-level slices, each run's end found by the
+    id that follows its pad in ``sent``."""
+    at = 0  # in reported
+    start = 0  # in sent
+    for p in _pad_positions(sent, pad):
+        text = sent[start:p]
+        if reported[at : at + len(text)] != text:
+            return False
+        at += len(text)
+        if at >= len(reported) or reported[at] != pad:
+            return False
+        end = _run_end(reported, at, pad)
+        at, start = end, p + 1
+    return reported[at:] == sent[start:]
 
 
 def image_token_counts(grid_thws: Any, merge_size: int) -> list[int]:
@@ -257,8 +311,8 @@ def expand_image_pads(
     """
     counts = image_token_counts(grid_thws, merge_size)
     check_image_prompt(prompt_ids, len(counts), VisionTokens(image_pad=pad_id), "expand_image_pads")
-    ids = list(prompt_ids)
-    positions = _pad_positions(ids, pad_id).tolist()
+    ids = _as_list(prompt_ids)
+    positions = _pad_positions(ids, pad_id)
     out: list[int] = []
     start = 0
     for pos, n in zip(positions, counts, strict=True):
