@@ -27,6 +27,7 @@ from typing import Any, TypeAlias
 import attrs
 import numpy as np
 
+from rollpipe.engines.inputs import CheckedIds, PromptView
 from rollpipe.engines.records import EngineError, Generation
 
 __all__ = [
@@ -149,6 +150,38 @@ def _pad_positions(ids: Sequence[int], pad: int) -> list[int]:
     return out
 
 
+def _source(ids: Sequence[int]) -> tuple[CheckedIds, int] | None:
+    """A grown-in-place prompt's list and length (a ``PromptView`` or ``CheckedIds``),
+    whose ``scans`` let a check read only what was appended since it last ran."""
+    if isinstance(ids, PromptView):
+        return ids.source()
+    if isinstance(ids, CheckedIds):
+        return ids, len(ids)
+    return None
+
+
+def _census(ids: Sequence[int], token: int) -> tuple[int, int]:
+    """``(how many ids are token, how many of those follow another)``: on a prompt that
+    grows in place only its new ids are read (the counts so far kept in its ``scans``),
+    so a long conversation costs each turn what the turn added."""
+    source = _source(ids)
+    if source is None:
+        positions = _pad_positions(_as_list(ids), token)
+        return len(positions), sum(b - a == 1 for a, b in itertools.pairwise(positions))
+    base, n = source
+    done, count, adjacent, last = base.scans.get(("census", token), (0, 0, 0, False))
+    if done > n:  # a shorter view of a list counted further: count it afresh
+        done, count, adjacent, last = 0, 0, 0, False
+    part = list.__getitem__(base, slice(done, n))
+    positions = _pad_positions(part, token)
+    count += len(positions)
+    adjacent += sum(b - a == 1 for a, b in itertools.pairwise(positions))
+    adjacent += bool(last and positions and positions[0] == 0)
+    last = part[-1] == token if part else last
+    base.scans[("census", token)] = (n, count, adjacent, last)
+    return count, adjacent
+
+
 def check_image_prompt(
     prompt_ids: Sequence[int], num_images: int, tokens: VisionTokens, where: str = "request"
 ) -> None:
@@ -164,25 +197,21 @@ def check_image_prompt(
         ...
         rollpipe.engines.images.ImageTokenError: turn 2: the prompt holds 4 image pad ids ...
     """
-    prompt_ids = _as_list(prompt_ids)
-    count = prompt_ids.count(tokens.image_pad)
+    count, runs = _census(prompt_ids, tokens.image_pad)
     if count != num_images:
         raise ImageTokenError(
             f"{where}: the prompt holds {count} image pad ids (id {tokens.image_pad}) for "
             f"{num_images} images; send exactly one unexpanded pad per image and all of the "
             "conversation's images so far, in order (the engine expands them)"
         )
-    if count > 1:
-        positions = _pad_positions(prompt_ids, tokens.image_pad)
-        runs = sum(b - a == 1 for a, b in itertools.pairwise(positions))
-        if runs:
-            raise ImageTokenError(
-                f"{where}: {runs} image pad ids follow another pad ({count} pads for "
-                f"{num_images} images): the prompt holds already-expanded image tokens; "
-                "send one pad per image (the engine expands them; keep the expanded ids "
-                "for the training row only)"
-            )
-    if tokens.video_pad is not None and tokens.video_pad in prompt_ids:
+    if runs:
+        raise ImageTokenError(
+            f"{where}: {runs} image pad ids follow another pad ({count} pads for "
+            f"{num_images} images): the prompt holds already-expanded image tokens; "
+            "send one pad per image (the engine expands them; keep the expanded ids "
+            "for the training row only)"
+        )
+    if tokens.video_pad is not None and _census(prompt_ids, tokens.video_pad)[0]:
         raise ImageTokenError(
             f"{where}: the prompt holds video pad ids (id {tokens.video_pad}); videos are "
             "not supported"
@@ -256,13 +285,31 @@ def check_reported_prompt(
     checks each run's length."""
     if reported is None:
         raise ImageTokenError(f"{where}: the engine reported no expanded prompt")
-    if not _is_expansion(_as_list(sent), _as_list(reported), tokens.image_pad):
+    if not _reports_expansion(sent, reported, tokens.image_pad):
         raise ImageTokenError(
             f"{where}: the engine's expanded prompt ({len(reported)} ids, "
             f"{len(_pad_positions(reported, tokens.image_pad))} image pads) is not the sent "
             f"prompt ({len(sent)} ids, {len(_pad_positions(sent, tokens.image_pad))} image "
             "pads) with each pad expanded"
         )
+
+
+def _reports_expansion(sent: Sequence[int], reported: Sequence[int], pad: int) -> bool:
+    """``_is_expansion`` of the whole prompt; on a prompt that grows in place, of what it
+    added since the last request checked on it, once the reported prompt is seen to
+    begin with the one reported then (a C-level comparison)."""
+    source = _source(sent)
+    if source is None:
+        return _is_expansion(_as_list(sent), _as_list(reported), pad)
+    base, n = source
+    done, before = base.scans.get(("reported", pad), (0, ()))
+    if done > n or tuple(reported[: len(before)]) != before:
+        done, before = 0, ()
+    new = list.__getitem__(base, slice(done, n))
+    if not _is_expansion(new, _as_list(reported[len(before) :]), pad):
+        return False
+    base.scans[("reported", pad)] = (n, tuple(reported))
+    return True
 
 
 def _is_expansion(sent: list[int], reported: list[int], pad: int) -> bool:

@@ -46,13 +46,16 @@ class CheckedIds(list[int]):
     ``check_prompt`` then needs only the bounds, however long the prompt.
     """
 
-    __slots__ = ("high", "low")
+    __slots__ = ("high", "low", "scans")
 
     def __init__(self, ids: PromptIds = ()) -> None:
         checked = _converted(ids) if len(ids) else []
         super().__init__(checked)
         self.low = min(checked) if checked else None
         self.high = max(checked) if checked else None
+        self.scans: dict[Any, Any] = {}
+        """What checks that read the ids keep to read only the ids appended since (the
+        list only grows): ``rollpipe.engines.images``' pad counts and checked prompts."""
 
     def extended(self, part: PromptIds, *, trusted: bool = False) -> CheckedIds:
         """A copy with ``part`` appended (only ``part`` is checked; see ``extend_checked``)."""
@@ -155,6 +158,11 @@ class PromptView(Sequence[int]):
             _checked_copy,
             (list.__getitem__(self._ids, slice(0, self._n)), self.low, self.high),
         )
+
+    def source(self) -> tuple[CheckedIds, int]:
+        """The ``CheckedIds`` under the view and the view's length (the view is its first
+        ``n`` ids)."""
+        return self._ids, self._n
 
     def tolist(self) -> CheckedIds:
         """The ids as a new ``CheckedIds`` (a ``list[int]``, its bounds kept)."""
