@@ -21,7 +21,7 @@ from typing import Any
 from rollpipe.agent.chat import ChatFormat
 from rollpipe.agent.conversation import ChatConversation, Conversation
 from rollpipe.agent.env_caller import Clock
-from rollpipe.agent.env_contract import env_tools, takes_action
+from rollpipe.agent.env_contract import env_tools, is_chat_env, takes_action
 from rollpipe.agent.env_returns import has_images
 from rollpipe.agent.records import EpisodeSpec
 from rollpipe.agent.tools import ToolSet, tool_set
@@ -90,12 +90,13 @@ def episode_conversation(
     engine: Engine,
 ) -> Conversation | None:
     """The conversation of an episode of ``env`` on ``engine`` (see the module doc);
-    None for a text env (it keeps the text conversation)."""
+    None for a text env (it keeps the text conversation; ``run_episode`` asks only for a
+    chat env, ``is_chat_env``)."""
+    if not is_chat_env(env, observation):
+        return None
     tools = env_tools(env)
     structured = takes_action(env)
     images = has_images(observation)
-    if not (images or tools or structured or not isinstance(observation, str)):
-        return None
     kind = ChatConversation
     if images or (engine_supports(engine, "images") and image_conversation_registered()):
         kind = image_conversation  # type: ignore[assignment]

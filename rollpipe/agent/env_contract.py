@@ -104,6 +104,13 @@ def takes_action(env: object) -> bool:
     return mode == "action"
 
 
+def is_chat_env(env: object, observation: object) -> bool:
+    """Whether an episode of ``env`` talks in chat messages (the env declares tools or
+    structured actions, or its first ``observation`` is messages, not a string): text
+    envs keep the text conversation, cheapest, without the chat machinery."""
+    return not isinstance(observation, str) or bool(env_tools(env)) or takes_action(env)
+
+
 def env_tools(env: object) -> Sequence[Any]:
     """The tools ``env`` declares (its ``tools`` attribute), ``()`` if none."""
     tools = getattr(env, "tools", None)

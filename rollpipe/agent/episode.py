@@ -63,7 +63,13 @@ from rollpipe.agent.chat import DEFAULT_SYSTEM_PROMPT, ChatFormat, parser_name
 from rollpipe.agent.conversation import Conversation, TextConversation
 from rollpipe.agent.conversation_choice import episode_conversation
 from rollpipe.agent.env_caller import Clock, EnvCaller
-from rollpipe.agent.env_contract import aggregate_metrics, is_blocking, step_metrics, tool_runner
+from rollpipe.agent.env_contract import (
+    aggregate_metrics,
+    is_blocking,
+    is_chat_env,
+    step_metrics,
+    tool_runner,
+)
 from rollpipe.agent.env_errors import EnvFailed
 from rollpipe.agent.env_returns import check_reset, check_step, clip_reward, messages_text
 from rollpipe.agent.env_threads import EnvLease, EnvThreads
@@ -267,10 +273,11 @@ async def run_episode(
             observation, info = await call_env("reset", 0, reset, spec.seed, **row)
             success = bool(info.get("success", False))
             try:
-                talk = episode_conversation(
-                    spec, chat, env, observation, s.sampling, clock, route, engine
-                )
-                conv = conv if talk is None else talk
+                if is_chat_env(env, observation):  # a text env keeps the text conversation
+                    talk = episode_conversation(
+                        spec, chat, env, observation, s.sampling, clock, route, engine
+                    )
+                    conv = conv if talk is None else talk
                 runner = tool_runner(env) if conv.structured else None  # the episode runs them
                 seen: Callable[[], int] | None = getattr(conv, "seen_length", None)  # images
             except ValueError as exc:  # tools without a schema, a window with a chat env
