@@ -168,9 +168,8 @@ def build_tiny_vlm(path: str | os.PathLike[str], seed: int = 0) -> Path:
         bos_token_id=pad_id, eos_token_id=[eos_id, pad_id], pad_token_id=pad_id, do_sample=True
     )
     model.save_pretrained(str(out))
-    pixels = {"min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS}
     processor = Qwen2VLProcessor(
-        image_processor=Qwen2VLImageProcessor(**pixels),
+        image_processor=Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS),
         tokenizer=tokenizer,
         video_processor=Qwen2VLVideoProcessor(),
         chat_template=QWEN2_VL_CHAT_TEMPLATE,
