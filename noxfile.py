@@ -115,6 +115,16 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def distributed(session: nox.Session) -> None:
+    """Past one process (tests/distributed): Ray clusters of several nodes on one machine,
+    episode workers, node and worker faults, a SIGKILL'd driver resuming, weight broadcast.
+    The main test session does not collect them (its 15-minute budget)."""
+    install_project(session, "cpu,dev")
+    session.env["ROLLPIPE_DISTRIBUTED"] = "1"
+    session.run("pytest", "tests/distributed", *(session.posargs or ["-q", "--durations=10"]))
+
+
+@nox.session(python=PYTHON)
 def vision(session: nox.Session) -> None:
     """Images: the tiny Qwen2-VL through the real vLLM engine and transformers' processor
     (tests/vision; the main test session does not collect them).
