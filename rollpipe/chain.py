@@ -20,6 +20,7 @@ from rollpipe.data.proto import DataProto
 from rollpipe.engines.protocol import Engine
 from rollpipe.nodes.batch import Batch
 from rollpipe.nodes.collate import Collate
+from rollpipe.nodes.env_pool import EnvForSpec
 from rollpipe.nodes.episode_source import EpisodeSource
 from rollpipe.nodes.groups import GroupAssembler
 from rollpipe.nodes.pausable import Pausable
@@ -65,10 +66,14 @@ def build_nodes(
     *,
     hooks: Mapping[Stage, NodeHook] | None = None,
     name: str = "pipeline",
+    env_factory: EnvForSpec | None = None,
 ) -> PipelineNodes:
     """Wire the standard chain. ``hooks[stage]`` wraps that stage's output node, e.g.
     ``{"rollout": lambda n: torchdata.nodes.Mapper(n, add_reward_model_score)}``;
-    ``name`` names the pipeline in the suspension's messages.
+    ``name`` names the pipeline in the suspension's messages. ``env_factory`` builds each
+    env slot's env from its spec, in place of the one ``config.rollout.env_backend`` names:
+    e.g. ``ray_env_factory(actor_options={"resources": {"envs": 0.01}})`` places the Ray
+    env workers on the nodes that have that custom resource (docs/ray-envs.md).
 
     Examples:
         Without ``async_generation_ratio`` the source needs no grants (``RolloutPipeline``
@@ -128,7 +133,7 @@ def build_nodes(
         attrs.evolve(config.rollout, in_order=config.admission_order),
         config.episode,
         signals=signals,
-        env_factory=_env_factory(config),
+        env_factory=_env_factory(config) if env_factory is None else env_factory,
     )
     groups = GroupAssembler.from_settings(
         hooked("rollout", rollout),

@@ -21,6 +21,7 @@ from rollpipe.data.proto import DataProto
 from rollpipe.engines.pool import EnginePool
 from rollpipe.engines.protocol import Engine, PauseMode, WeightsLike
 from rollpipe.nodes.closing import close_chain
+from rollpipe.nodes.env_pool import EnvForSpec
 from rollpipe.nodes.suspension import DEFAULT_MODE, Suspension
 from rollpipe.runtime import RuntimeClosedError
 
@@ -73,6 +74,8 @@ class RolloutPipeline:
     engine the pipeline owns: the form to pass to a Ray actor, since an engine cannot be
     pickled (docs/ray-actor.md). ``tokenizer`` is a tokenizer or a path for
     ``AutoTokenizer.from_pretrained``. ``name`` names the pipeline in messages.
+    ``env_factory`` replaces the env factory ``env_backend`` names (``build_nodes``): e.g.
+    ``ray_env_factory(actor_options={"resources": {"envs": 0.01}})`` to place Ray env workers.
 
     Examples:
         >>> import torch; from rollpipe import ScriptedEngine
@@ -95,6 +98,7 @@ class RolloutPipeline:
         hooks: Mapping[Stage, NodeHook] | None = None,
         owns_engine: bool = False,
         name: str | None = None,
+        env_factory: EnvForSpec | None = None,
     ) -> None:
         self.config = config
         self.name = name if name is not None else f"RolloutPipeline-{next(_numbers)}"
@@ -103,7 +107,12 @@ class RolloutPipeline:
         self.owns_engine = owns_engine or made
         try:
             self.nodes = build_nodes(
-                config, self.engine, self.tokenizer, hooks=hooks, name=self.name
+                config,
+                self.engine,
+                self.tokenizer,
+                hooks=hooks,
+                name=self.name,
+                env_factory=env_factory,
             )
         except BaseException:
             if made:
