@@ -86,7 +86,9 @@ class PoolControl:
 
     def update_weights(self, weights: WeightsLike, version: int | None = None) -> int:
         """Load ``weights`` into every active rank (one after another) and keep a CPU copy
-        for ranks that come back later; returns the pool's new version.
+        for ranks that come back later; returns the pool's new version. A rank whose engine
+        dies during its load leaves the pool (``failures()``), as during a request; the
+        update raises only if it was the last one (or for an error of the update itself).
 
         Examples:
             >>> from rollpipe import EnginePool, ScriptedEngine
@@ -101,7 +103,11 @@ class PoolControl:
             self._state.check_open()
             with self._state.updating(version) as new_version:  # stored once all loaded
                 for engine in self._table.active_engines():
-                    engine.update_weights(named, version=new_version)
+                    try:
+                        engine.update_weights(named, version=new_version)
+                    except EngineError as error:  # a rank that died is taken out; the rest go on
+                        if not self._table.failed_during_update(engine, error):
+                            raise
                 self._weights = [(name, t.to("cpu", copy=True)) for name, t in named]
         return new_version
 

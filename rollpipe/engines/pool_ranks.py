@@ -203,6 +203,19 @@ class RankTable:
             self._count_resend(rank)
             return any(r.active for r in self.ranks)
 
+    def failed_during_update(self, engine: Engine, error: BaseException) -> bool:
+        """After ``engine.update_weights`` raised ``error``: True if its engine is dead and
+        its rank is taken out now with some rank left (the update goes on), else False."""
+        with self.lock:
+            if self.closed or getattr(engine, "alive", True):
+                return False
+            for rank in self.ranks:
+                if rank.active and rank.engine is engine:
+                    rank.active = False
+                    rank.error = EngineError(f"{rank.describe()}: its engine died: {error}")
+                    _clear_routes(rank)
+            return any(r.active for r in self.ranks)
+
     def _count_resend(self, rank: Rank) -> None:
         rank.resent += 1
         self.rerouted += 1
