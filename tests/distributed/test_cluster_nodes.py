@@ -1,0 +1,265 @@
+"""Ray engines and env workers on a cluster of several nodes on this machine.
+
+One ``ray.cluster_utils.Cluster`` per module: a head node that hosts nothing of ours (the
+driver joins it) and worker nodes each with a custom resource naming its role, so every
+actor lands where its options ask: ``engine_0`` and ``engine_1`` host the two ranks of an
+``EnginePool`` of ``RayEngine``s, ``envs`` hosts the env workers (``ray_env_factory`` with
+``{"resources": {"envs": ...}}``, given to the pipeline as its ``env_factory``). Placement
+is read from Ray's own actor table (GCS), not from rollpipe.
+
+The tests run in order on the one cluster: placement; the engine node killed mid-batch
+(the pool takes its rank out and re-sends its requests: the batch is the same episodes,
+none dropped); a new node for that rank and ``expand_sampler`` (requests reach it
+again); the env node killed mid-batch (the episodes whose env worker died fail and their
+groups are replaced, per docs/ray-envs.md; new env workers start on a replacement node).
+A node is killed as Ray's tests kill one: its raylet and workers by SIGKILL
+(``remove_node(..., allow_graceful=False)``), chosen when the pool's own counters say the
+batch is under way.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+from torchdata.nodes import Mapper
+from waiting import wait_until
+
+from rollpipe.engines.pool import EnginePool
+from rollpipe.engines.ray_engine import RayEngine, WeightStore
+from rollpipe.engines.records import EngineError
+from rollpipe.engines.vllm import VLLMEngine
+from rollpipe.envs.ray_env import ray_env_factory
+from rollpipe.pipeline import PipelineConfig, RolloutPipeline
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402  (after the importorskip)
+
+CONFIG = PipelineConfig(
+    group_size=2,
+    batch_size=8,
+    max_turns=2,
+    max_length=1024,
+    concurrency=4,
+    seed=38,
+    sampling={"max_tokens": 128, "ignore_eos": True},  # long turns: a kill lands mid-request
+)
+ENV_WORKERS = ray_env_factory(num_cpus=0.25, actor_options={"resources": {"envs": 0.01}})
+NODE_MEMORY = {"object_store_memory": 80 << 20}
+DEADLINE_S = 180  # a deadline for states that must come, never an expected duration
+
+
+@attrs.define
+class Nodes:
+    """The module's cluster and its worker nodes by role (a lost node leaves the dict)."""
+
+    cluster: Any
+    by_role: dict[str, Any]
+
+    def add(self, role: str, num_cpus: int = 1) -> Any:
+        node = self.cluster.add_node(num_cpus=num_cpus, resources={role: 1}, **NODE_MEMORY)
+        self.cluster.wait_for_nodes()
+        self.by_role[role] = node
+        return node
+
+    def kill(self, role: str) -> Any:
+        node = self.by_role.pop(role)
+        self.cluster.remove_node(node, allow_graceful=False)  # SIGKILL: raylet and workers
+        return node
+
+    def id(self, role: str) -> str:
+        return str(self.by_role[role].node_id)
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[Nodes]:
+    assert not ray.is_initialized(), "a Ray session from another module is still up"
+    head = {"num_cpus": 1, "include_dashboard": False, **NODE_MEMORY}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
+    try:
+        found = Nodes(cluster, {})
+        for role in ("engine_0", "engine_1", "envs"):
+            found.add(role)
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield found
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pool(nodes: Nodes, tiny_model_path: Path) -> Iterator[EnginePool]:
+    """Rank ``r`` on the node with the resource ``engine_r`` (``expand`` rebuilds it there)."""
+    make = functools.partial(VLLMEngine, str(tiny_model_path), kv_cache_space_gib=0.25)
+    store = WeightStore()
+
+    def rank_engine(rank: int) -> RayEngine:
+        placed = {"resources": {f"engine_{rank}": 1}}
+        return RayEngine(make, num_cpus=1, weights=store, actor_options=placed)
+
+    engines = EnginePool(rank_engine, 2)
+    yield engines
+    engines.close()
+
+
+@attrs.define
+class Run:
+    """The module's pipeline on the pool, and every trajectory its rollout yielded."""
+
+    pipe: RolloutPipeline
+    seen: list[Any]
+
+    def since(self, mark: int) -> list[Any]:
+        return self.seen[mark:]
+
+
+@pytest.fixture(scope="module")
+def run(pool: EnginePool, tokenizer: Any) -> Iterator[Run]:
+    """One pipeline for the module: its env workers start once and serve every batch."""
+    seen: list[Any] = []
+    hooks = {"rollout": lambda node: Mapper(node, lambda t: seen.append(t) or t)}
+    with RolloutPipeline(CONFIG, pool, tokenizer, env_factory=ENV_WORKERS, hooks=hooks) as pipe:
+        yield Run(pipe, seen)
+
+
+def node_of(actor: Any) -> str:
+    """The node Ray's actor table (GCS) places ``actor`` on."""
+    info = ray._private.state.actors(actor._actor_id.hex())
+    return str(info["Address"]["NodeID"])
+
+
+def env_worker_nodes() -> list[str]:
+    """The node of every live env worker (``EnvHost`` actor), from Ray's actor table."""
+    table = ray._private.state.actors().values()
+    return sorted(
+        str(a["Address"]["NodeID"])
+        for a in table
+        if a["ActorClassName"] == "EnvHost" and a["State"] == "ALIVE"
+    )
+
+
+def batch_in_thread(pipe: RolloutPipeline) -> tuple[threading.Thread, dict[str, Any]]:
+    """``pipe.get_batch()`` in a thread; its result (or error) lands in the dict."""
+    out: dict[str, Any] = {}
+
+    def fetch() -> None:
+        try:
+            out["batch"] = pipe.get_batch()
+        except BaseException as exc:  # re-raised by finished()
+            out["error"] = exc
+
+    thread = threading.Thread(target=fetch)
+    thread.start()
+    return thread, out
+
+
+def finished(thread: threading.Thread, out: dict[str, Any]) -> Any:
+    thread.join(DEADLINE_S)
+    assert not thread.is_alive(), f"get_batch did not return within {DEADLINE_S} s"
+    if "error" in out:
+        raise out["error"]
+    return out["batch"]
+
+
+def requests_on(pool: EnginePool, rank: int | None = None) -> int:
+    """Requests in flight through the pool (on ``rank`` only, if given)."""
+    return sum(load.requests for load in pool.loads() if rank in (None, load.rank))
+
+
+def check_complete(batch: Any) -> tuple[set[str], set[int]]:
+    """The batch's rows: whole groups, each trajectory once; its traj ids and group ids."""
+    ids = [str(uid) for uid in batch.non_tensor_batch["traj_uid"]]
+    groups = Counter(batch.batch["traj_group_id"].tolist())
+    assert len(batch) == CONFIG.batch_size and len(set(ids)) == len(ids)
+    assert set(groups.values()) == {CONFIG.group_size}
+    assert "error" not in set(batch.non_tensor_batch["end_reasons"])
+    return set(ids), set(groups)
+
+
+def dropped_errored(run: Run, batch: Any) -> int:
+    """Groups dropped for an errored trajectory: in this batch's metrics, or not yet
+    reported (dropped after the batch was cut)."""
+    metrics = batch.meta_info["metrics"]
+    pending = run.pipe.nodes.groups.pending_drops.get("errored", 0)
+    return int(metrics.get("dropped/errored", 0)) + pending
+
+
+def test_engines_and_env_workers_run_on_the_nodes_their_options_name(
+    nodes: Nodes, pool: EnginePool, run: Run
+) -> None:
+    batch = run.pipe.get_batch()
+    check_complete(batch)
+    assert [node_of(pool.engine(r).actor) for r in (0, 1)] == [  # type: ignore[union-attr]
+        nodes.id("engine_0"),
+        nodes.id("engine_1"),
+    ]
+    assert env_worker_nodes() == [nodes.id("envs")] * CONFIG.rollout.concurrency  # a slot each
+    assert {rank for _, rank in pool.routing_log} == {0, 1}  # both nodes generated
+
+
+def test_an_engine_node_lost_mid_batch_loses_no_episode(
+    nodes: Nodes, pool: EnginePool, run: Run
+) -> None:
+    """The rank on the lost node leaves the pool (``failures``), its requests are re-sent
+    to rank 0 (``rerouted``) and the batch holds the very groups it was granted (the next
+    four), none dropped, each trajectory once."""
+    rerouted, mark, victim = pool.rerouted, len(run.seen), pool.engine(1)
+    thread, out = batch_in_thread(run.pipe)
+    wait_until(lambda: requests_on(pool, 1), DEADLINE_S, "requests in flight on rank 1")
+    nodes.kill("engine_1")
+    batch = finished(thread, out)
+    traj_ids, group_ids = check_complete(batch)
+    assert pool.active_ranks == [0] and list(pool.failures()) == [1]
+    assert isinstance(pool.failures()[1], EngineError) and "rank 1" in str(pool.failures()[1])
+    assert victim is not None and not victim.alive
+    assert pool.rerouted > rerouted  # what rank 1 ran was generated again on rank 0
+    assert group_ids == {4, 5, 6, 7} and dropped_errored(run, batch) == 0  # none replaced
+    seen = run.since(mark)
+    assert [t.end_reason for t in seen].count("error") == 0
+    assert sorted(t.traj_id for t in seen) == sorted(traj_ids)  # each came out once
+
+
+def test_a_new_node_brings_the_lost_rank_back_with_expand(
+    nodes: Nodes, pool: EnginePool, run: Run
+) -> None:
+    replacement = nodes.add("engine_1")
+    report = run.pipe.expand_sampler([1])
+    assert report["load_ranks"] == [1] and pool.active_ranks == [0, 1]
+    assert pool.failures() == {}
+    assert node_of(pool.engine(1).actor) == replacement.node_id  # type: ignore[union-attr]
+    routed_before = len(pool.routing_log)
+    check_complete(run.pipe.get_batch())
+    later = [rank for _, rank in list(pool.routing_log)[routed_before:]]
+    assert 1 in later and 0 in later  # new episodes reach the rank on the new node
+
+
+def test_an_env_node_lost_mid_batch_fails_its_episodes_and_replaces_their_groups(
+    nodes: Nodes, pool: EnginePool, run: Run
+) -> None:
+    """The episodes whose env worker died end as errors and their groups are dropped and
+    replaced (docs/ray-envs.md); env workers start again on a node that has the resource."""
+    mark, lost = len(run.seen), nodes.id("envs")
+    thread, out = batch_in_thread(run.pipe)
+    wait_until(lambda: requests_on(pool), DEADLINE_S, "episodes generating")
+    nodes.kill("envs")
+    replacement = nodes.add("envs")  # the env slots' next resets start actors here
+    batch = finished(thread, out)
+    traj_ids, group_ids = check_complete(batch)
+    seen = run.since(mark)
+    errors = [t for t in seen if t.end_reason == "error"]
+    assert errors, "no episode noticed its env worker's death"
+    for t in errors:
+        assert t.error.startswith("RayEnvError(") and "during" in t.error, t.error
+    failed_groups = {t.group_id for t in errors}
+    assert dropped_errored(run, batch) == len(failed_groups)  # each dropped once, replaced
+    assert not failed_groups & group_ids and not {t.traj_id for t in errors} & traj_ids
+    live = env_worker_nodes()
+    assert live and set(live) == {str(replacement.node_id)} and lost not in live
+    done = [t.traj_id for t in seen if t.end_reason != "error"]
+    assert len(done) == len(set(done))  # no trajectory came out twice
