@@ -56,6 +56,7 @@ from rollpipe.engines.records import EngineError, Generation, SamplingParams
 from rollpipe.engines.routing import Route, current_route, in_route
 
 __all__ = [
+    "OFF_LOOP_CHARS",
     "ChatConversation",
     "ChatPrompt",
     "Conversation",
@@ -64,6 +65,10 @@ __all__ = [
 ]
 
 Admit = Callable[[], Awaitable[None]] | None
+OFF_LOOP_CHARS = 2048
+"""A chat prompt that renders this many characters or more (about 0.2 ms of template and
+tokenizer here, and growing with them) runs off the event loop, on the episode's env
+thread: below it, the thread hop costs more than the render."""
 TurnPrompt = tuple[Sequence[int], Sequence[int], "npt.NDArray[np.int64] | None", bool]
 """A turn's engine prompt, the ids it adds to the row, those packed (None in window
 mode), and whether the template broke the prefix."""
@@ -223,6 +228,13 @@ class Conversation:
         """The next turn's prompt for an env's ``observation`` (see :data:`TurnPrompt`)."""
         raise NotImplementedError
 
+    def renders_off_loop(self, observation: Any) -> bool:
+        """Whether :meth:`prompt` for ``observation`` is big enough to run off the event
+        loop (on the episode's env thread), so that rendering and tokenizing it costs only
+        this episode: never for a text conversation (its pieces are cached per
+        observation)."""
+        return False
+
     def read(self, response_ids: Sequence[int]) -> tuple[str, AssistantAction | None]:
         """The response's text (what a text env is stepped with), and the action parsed
         from it (chat conversations only)."""
@@ -308,6 +320,14 @@ class ChatConversation(Conversation):
         packed = np.fromiter(added, np.int64, len(added))
         self.context.extend_packed(added, packed)
         return self.context.view(), added, packed, broke
+
+    def renders_off_loop(self, observation: Observation) -> bool:
+        """Whether the next prompt renders :data:`OFF_LOOP_CHARS` characters or more (the
+        new messages and what the dialog's render of them shows again): a big tool
+        result is rendered and tokenized on the episode's env thread, not on the loop
+        that serves every episode."""
+        dialog = self.dialog
+        return dialog is not None and dialog.render_chars(observation) >= OFF_LOOP_CHARS
 
     def read(self, response_ids: Sequence[int]) -> tuple[str, AssistantAction]:
         """The response parsed by the model's parsers into an action, added to the

@@ -149,10 +149,21 @@ class Dialog:
         self._text, self._text_upto = whole, len(self.messages)
         return self.chat.encode(text), broke
 
-    def _window(self) -> list[Mapping[str, Any]] | None:
-        """The head and the last exchange (see the module doc); ``None`` when that is the
-        whole conversation or it does not end with an assistant turn. A new head (the
-        first tool result came) is checked again on its first turns."""
+    def render_chars(self, observation: Observation) -> int:
+        """The characters of message content the next prompt renders: the new messages
+        and what they are rendered after (the window, or the whole conversation on a
+        checked turn or without a window), each counted once. The episode renders a
+        prompt this big off the event loop (``ChatConversation.renders_off_loop``)."""
+        new = _chars([{"content": observation}] if isinstance(observation, str) else observation)
+        span = None if self.full_render or not self.messages else self._span()
+        if span is None or self._checks_left > 0 or span[0] != self._head:
+            return new + _chars(self.messages)
+        head, last = span
+        return new + _chars(self.messages[:head]) + _chars(self.messages[last:])
+
+    def _span(self) -> tuple[int, int] | None:
+        """``(head, last)``: the window is ``messages[:head] + messages[last:]``; None when
+        that is the whole conversation or it does not end with an assistant turn."""
         messages = self.messages
         if not messages or messages[-1].get("role") != "assistant":
             return None
@@ -163,11 +174,19 @@ class Dialog:
         last = len(messages) - 2  # the assistant turn before the last one starts the tail
         while last >= head and messages[last].get("role") != "assistant":
             last -= 1
-        if last <= head:  # nothing left out
+        return None if last <= head else (head, last)  # None: nothing left out
+
+    def _window(self) -> list[Mapping[str, Any]] | None:
+        """The head and the last exchange (see the module doc); ``None`` when that is the
+        whole conversation or it does not end with an assistant turn. A new head (the
+        first tool result came) is checked again on its first turns."""
+        span = self._span()
+        if span is None:
             return None
+        head, last = span
         if head != self._head:
             self._head, self._checks_left = head, CHECKED_TURNS
-        return [*messages[:head], *messages[last:]]
+        return [*self.messages[:head], *self.messages[last:]]
 
     def _diff(
         self,
@@ -213,3 +232,20 @@ class Dialog:
             if text.startswith(eot_text):
                 text = text[len(eot_text) :]
         return text
+
+
+def _chars(messages: Sequence[Mapping[str, Any]]) -> int:
+    """The characters of ``messages``' text: contents (a parts list's text parts) and
+    tool-call arguments."""
+    total = 0
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, Sequence):
+            total += sum(len(p.get("text") or "") for p in content if isinstance(p, Mapping))
+        for call in m.get("tool_calls") or ():
+            function = call.get("function") if isinstance(call, Mapping) else None
+            arguments = function.get("arguments") if isinstance(function, Mapping) else None
+            total += len(arguments) if isinstance(arguments, str) else 0
+    return total

@@ -119,6 +119,17 @@ class EnvCaller:
             self.clock.env += time.perf_counter() - start
         return attrs.evolve(action, tool_results=results)
 
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the episode's env threads, the loop serving every other
+        episode meanwhile (a big prompt's render and tokenization); inline when the
+        episode has no threads (an env declared ``blocking = False`` run alone). No time
+        limit: it is rollpipe's own work, and a thread abandoned mid-render would leave
+        the conversation half changed."""
+        if self.threads is None:
+            return fn(*args)
+        result: T = await self.threads.call(fn, *args)
+        return result
+
     async def _awaited(self, awaitable: Any) -> Any:
         if self.timeout is None:
             return await awaitable

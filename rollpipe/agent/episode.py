@@ -40,7 +40,9 @@ an ``AssistantAction`` (what ``step`` gets with ``step_input = "action"``; other
 get the text as always), prompts extended token-exactly, prefix breaks recorded on the
 turn. An env that declares a ``tool_runner`` (``ToolEnv``) has its tool calls run here,
 by the episode, before its ``step`` gets the action with their results
-(``action.tool_results``). Text envs run exactly as before.
+(``action.tool_results``). A prompt that renders a big tool result (or any big message;
+``OFF_LOOP_CHARS``) is rendered and tokenized on the episode's env thread, so it costs
+only its own episode. Text envs run exactly as before.
 
 A chat env runs the image conversation when its first observation holds an image, or
 on an engine that supports images (so images may come later: a tool's picture, a later
@@ -283,7 +285,10 @@ async def run_episode(
             except ValueError as exc:  # tools without a schema, a window with a chat env
                 raise EnvFailed(exc, f"{type(env).__name__}.tools: {call_env.episode(0)}") from exc
             for t in range(s.max_turns):
-                prompt, added, packed, broke = conv.prompt(observation)
+                if conv.renders_off_loop(observation):  # a big tool result: costs only us
+                    prompt, added, packed, broke = await call_env.off_loop(conv.prompt, observation)
+                else:
+                    prompt, added, packed, broke = conv.prompt(observation)
                 budget = s.max_length - (len(prompt) if seen is None else seen())
                 if budget < 1:
                     end_reason = "max_length"

@@ -28,8 +28,11 @@ renders an image in a user message (Qwen2-VL's would show one in a tool message 
 The episode's image conversation renders them (an engine that supports images).
 
 Blocking tools run on :class:`~rollpipe.agent.env_threads.EnvThreads` (timed by the
-loop's own timer); coroutine tools are awaited with ``asyncio.wait_for``. The calls of
-one turn run one after another, in the order the model wrote them.
+loop's own timer), their results made into message text (JSON, the cut) there too, so a
+huge result costs only its own episode; coroutine tools are awaited with
+``asyncio.wait_for``; a tool declared ``blocking = False`` (``rollpipe.agent.tools.
+runs_inline``: fast and pure, as the calculator) runs inline, cheaper than the thread
+hop. The calls of one turn run one after another, in the order the model wrote them.
 """
 
 from __future__ import annotations
@@ -38,12 +41,15 @@ import asyncio
 import functools
 import inspect
 import json
+import logging
 import reprlib
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from rollpipe.agent.actions import AssistantAction, ToolCall, ToolResults, tool_message
 from rollpipe.agent.content import ContentPart, check_parts, is_image
+from rollpipe.agent.env_caller import SLOW_INLINE_S
 from rollpipe.agent.env_contract import EnvStateError
 from rollpipe.agent.env_threads import EnvThreads, EnvTimeoutError
 from rollpipe.agent.tools import ToolSet
@@ -56,6 +62,8 @@ __all__ = [
     "results_of",
 ]
 
+_log = logging.getLogger(__name__)
+_SLOW_INLINE_REPORTED: set[str] = set()
 TOOL_METRIC_KINDS = ("calls", "malformed", "errors", "timeouts", "cut")
 DEFAULT_MAX_RESULT_CHARS = 16_000
 """A tool result's length limit in characters (about 4k tokens), as verl's
@@ -126,6 +134,60 @@ def _result_text(result: Any) -> str:
         return str(result)
 
 
+Shown = tuple[str, str, list[ContentPart], bool]
+"""One call's outcome: its kind (``"calls"`` when it ran fine), its message text, its
+images, and whether the text was cut to ``max_result_chars``."""
+
+
+def _failed(kind: str, text: str) -> Shown:
+    return kind, text, [], False  # cut (if too long) by ToolRunner.run
+
+
+def shown(name: str, result: Any, limit: int | None) -> Shown:
+    """The outcome of tool ``name`` returning ``result``: its text (a str as it is, else
+    JSON) cut to ``limit`` characters, and its images; ``errors`` for a malformed parts
+    list (the tool's bug, told to the model)."""
+    try:
+        found = _result_parts(result, f"{name}'s result")
+    except ValueError as exc:
+        return _failed("errors", f"error: {name} returned {exc}")
+    text, images = (_result_text(result), []) if found is None else found
+    text, cut = _cut(text, limit)
+    return "calls", text, images, cut
+
+
+def _cut(text: str, limit: int | None) -> tuple[str, bool]:
+    """``text`` cut to ``limit`` characters (a note saying so after it), and whether it was."""
+    if limit is None or len(text) <= limit:
+        return text, False
+    return f"{text[:limit]}\n[tool result cut to {limit} of {len(text)} characters]", True
+
+
+def _run_shown(fn: Any, kwargs: dict[str, Any], name: str, limit: int | None) -> Shown:
+    """On a tool thread: run the tool and make its message text there."""
+    return shown(name, fn(**kwargs), limit)
+
+
+def _check_inline_time(fn: Any, name: str, elapsed: float) -> None:
+    """Report, once per tool, an inline tool (``blocking = False``) that ran longer than
+    ``SLOW_INLINE_S``: every episode waited meanwhile."""
+    if elapsed > SLOW_INLINE_S and name not in _SLOW_INLINE_REPORTED:
+        _SLOW_INLINE_REPORTED.add(name)
+        _log.warning(
+            "tool %r declares blocking = False but one call took %.3f s inline on the event "
+            "loop, stalling every episode meanwhile; remove that declaration so its calls "
+            "run on tool threads, under tool_timeout_s (reported once per tool)",
+            name,
+            elapsed,
+        )
+
+
+def _counted(kind: str, cut: bool) -> tuple[str, ...]:
+    """The counts one call adds to: ``calls``, its kind unless it ran fine, ``cut``."""
+    keys = ("calls",) if kind == "calls" else ("calls", kind)
+    return (*keys, "cut") if cut else keys
+
+
 class ToolRunner:
     """Runs the calls of an :class:`AssistantAction` with ``tools`` (see the module doc).
 
@@ -174,63 +236,66 @@ class ToolRunner:
             text = f"error: the tool call could not be read: {action.parse_error}"
             messages.append({"role": "tool", "content": text})
         for call in action.tool_calls:
-            kind, text, pictures = await self._one(call)
+            kind, text, pictures, cut = await self._one(call)
+            if kind != "calls":  # an error message: bounded like a result
+                text, cut = _cut(text, self.max_result_chars)
             images.extend(pictures)
-            for key in ("calls", kind) if kind != "calls" else ("calls",):
+            for key in _counted(kind, cut):
                 counts[f"tool/{key}"] += 1
                 counts[f"tool/{key}/{call.name}"] = counts.get(f"tool/{key}/{call.name}", 0) + 1
-            if self.max_result_chars is not None and len(text) > self.max_result_chars:
-                shown = self.max_result_chars
-                text = f"{text[:shown]}\n[tool result cut to {shown} of {len(text)} characters]"
-                counts["tool/cut"] += 1
-                counts[f"tool/cut/{call.name}"] = counts.get(f"tool/cut/{call.name}", 0) + 1
             messages.append(dict(tool_message(call.id, call.name, text)))
         if images:
             messages.append({"role": "user", "content": images})
         return ToolResults(messages, counts)
 
-    async def _one(self, call: ToolCall) -> tuple[str, str, list[ContentPart]]:
-        """``(kind, message text, images)`` of one call; kind is ``"calls"`` when it ran
-        fine."""
-        kind, result = await self._result(call)
-        if kind != "calls":
-            return kind, result, []
+    async def _one(self, call: ToolCall) -> Shown:
+        """``(kind, message text, images, cut)`` of one call; kind is ``"calls"`` when it
+        ran fine. A blocking tool's result is also made into its message text (JSON,
+        cut) on its thread: a huge result costs only its own episode."""
+        problem = self._problem(call)
+        if problem is not None:
+            return problem
+        fn, kwargs, name = self.tools.functions[call.name], call.kwargs, call.name
+        limit = self.max_result_chars
         try:
-            found = _result_parts(result, f"{call.name}'s result")
-        except ValueError as exc:  # a malformed parts list: the tool's bug, told to the model
-            return "errors", f"error: {call.name} returned {exc}", []
-        return ("calls", _result_text(result), []) if found is None else ("calls", *found)
+            if inspect.iscoroutinefunction(fn):
+                return shown(name, await asyncio.wait_for(fn(**kwargs), self.timeout_s), limit)
+            if call.name in self.tools.inline:  # declared fast: cheaper than a thread hop
+                start = time.perf_counter()
+                result = shown(name, fn(**kwargs), limit)
+                _check_inline_time(fn, name, time.perf_counter() - start)
+                return result
+            run = functools.partial(_run_shown, fn, kwargs, name, limit)
+            result: Shown = await self.threads.call(run, timeout=self.timeout_s)
+            return result
+        except (TimeoutError, EnvTimeoutError):
+            late = f"error: {name} returned no result within {self.timeout_s} s"
+            return _failed("timeouts", late)
+        except Exception as exc:  # the tool's failure is the model's observation
+            return _failed("errors", f"error: {name} raised {type(exc).__name__}: {exc}")
 
-    async def _result(self, call: ToolCall) -> tuple[str, Any]:
-        """``(kind, the tool's result or the error message)``."""
+    def _problem(self, call: ToolCall) -> Shown | None:
+        """The ``malformed`` (or ``errors``: nothing to run) outcome of a call that cannot
+        run as written, else None."""
         if call.name not in self.tools.names:
             known = ", ".join(self.tools.names) or "none"
-            return "malformed", f"error: unknown tool {call.name!r}; the tools are: {known}"
+            unknown = f"error: unknown tool {call.name!r}; the tools are: {known}"
+            return _failed("malformed", unknown)
         if call.error is not None:
-            return "malformed", f"error: {call.name}: {call.error}"
+            return _failed("malformed", f"error: {call.name}: {call.error}")
         kwargs = call.kwargs
         problem = argument_problem(self.tools.parameters(call.name), kwargs)
         fn = self.tools.functions.get(call.name)
         if problem is None and fn is not None:
             try:
-                inspect.signature(fn).bind(**kwargs)
+                self.tools.signature(call.name).bind(**kwargs)
             except TypeError as exc:
                 problem = str(exc)
         if problem is not None:
-            return "malformed", f"error: {call.name}: {problem}"
+            return _failed("malformed", f"error: {call.name}: {problem}")
         if fn is None:
-            return "errors", f"error: tool {call.name!r} has no function to run"
-        try:
-            if inspect.iscoroutinefunction(fn):
-                result = await asyncio.wait_for(fn(**kwargs), self.timeout_s)
-            else:
-                bound = functools.partial(fn, **kwargs)
-                result = await self.threads.call(bound, timeout=self.timeout_s)
-        except (TimeoutError, EnvTimeoutError):
-            return "timeouts", f"error: {call.name} returned no result within {self.timeout_s} s"
-        except Exception as exc:  # the tool's failure is the model's observation
-            return "errors", f"error: {call.name} raised {type(exc).__name__}: {exc}"
-        return "calls", result
+            return _failed("errors", f"error: tool {call.name!r} has no function to run")
+        return None
 
     def close(self) -> None:
         """End the worker threads (a hung tool's thread ends when its call returns)."""
