@@ -50,6 +50,8 @@ BENCHMARKS = (
     "tool_turn",
     "frontdoor",
     "image_turn",
+    "fault_campaign",
+    "node_loss",
 )
 NEEDS_ENGINE = {
     "efficiency",
@@ -207,6 +209,14 @@ SUMMARY = (
     ),
     ("14", "Image turn CPU: 64 ÷ 8 turns", "image_turn_cpu_64_over_8", "flat", "{:.2f}×"),
     ("14", "Images/s through the pipeline, tiny VLM", "pipeline_images_per_s", "—", "{:.1f}"),
+    ("15", "Fault campaign: random fault points", "fault_campaign_points", "—", "{:.0f}"),
+    (
+        "15",
+        "Fault campaign: lost + duplicated + hangs",
+        "fault_campaign_failures",
+        "0",
+        "{:.0f}",
+    ),
     (
         "14",
         "Image turns/s through the pipeline, tiny VLM",
@@ -214,6 +224,9 @@ SUMMARY = (
         "—",
         "{:.1f}",
     ),
+    ("16", "Node lost mid-batch: batch time ÷ without", "node_loss_ratio", "—", "{:.2f}×"),
+    ("16", "Node lost mid-batch: death to batch", "node_loss_death_to_batch_s", "—", "{:.1f} s"),
+    ("16", "Batch without a node lost (same run)", "node_loss_batch_s", "—", "{:.1f} s"),
 )
 
 

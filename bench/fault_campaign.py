@@ -1,0 +1,588 @@
+"""Fault campaign: random fault points over text, tool and agent episodes; nothing may be
+lost, duplicated or hang.
+
+``python -m bench.fault_campaign --points 10000`` (``--smoke``: 18 points;
+``python -m bench.run --only fault_campaign``). A *run* is one pipeline on one episode
+kind — ``text`` (FrozenLake), ``tool`` (the calculator ``ToolEnv``, hermes calls) or
+``agent`` (an ``AgentEnv`` whose ``openai`` client makes two calls through the front
+door) — and one engine: ``scripted`` (a two-rank ``EnginePool`` of ``ScriptedEngine``s:
+cheap, most points) or ``vllm`` (the tiny tools model on the in-process ``VLLMEngine``;
+``--vllm-share`` of the runs). Each of its ``--batches`` batches is one *point*: a fault
+kind drawn from :data:`FAULTS` is injected at a random place in it. The run's trajectory
+ids (group id, episode id) are compared with an uninterrupted reference run of the same
+config and seed: **lost** (in the reference, never yielded), **duplicated** (yielded more
+than once), **unexpected** (yielded, not in the reference) are counted against the point
+whose batch showed them, with the kind's own check (:attr:`FaultKind.check`). A **hang**
+is a point that does not finish within ``--watchdog-s`` (generous: points take
+milliseconds to seconds): the watchdog records the point, dumps every thread's stack to
+stderr and closes the pipeline, which wakes a blocked ``get_batch``; no wait in a point
+is timed (each waits for an event: the n-th engine request, the batch's return).
+
+The report (``bench/results/fault_campaign.json``; ``--out`` elsewhere) gives points,
+lost, duplicated, unexpected, hangs and failed checks per fault kind, per episode kind,
+per engine and per (kind, episode kind), with the command and wall time. Exit status 1 if
+any count is not 0.
+
+Adding a fault kind
+-------------------
+A fault kind is a name in :data:`FAULTS` mapped to a :class:`FaultKind`: ``inject(run,
+rng)`` collects one batch with the fault injected at a random point and returns it
+(``run.during_batch(rng, action)`` runs ``action`` on this thread at a random engine
+request while another thread is in ``get_batch``; ``run.replace_pipeline()`` swaps in a
+fresh pipeline), ``expected`` says the outcome in words, ``check(run)`` returns what went
+wrong beyond loss and duplication (empty: fine), ``engines`` where it applies. Register
+it with ``@fault_kind("worker_kill", expected=..., engines=("scripted",))`` on the
+inject function; the loop, the reference comparison, the watchdog and the report pick it
+up with no other change (``worker_kill``, ``node_kill`` and ``sigkill`` are meant to be
+added this way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import io
+import json
+import os
+import random
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from rollpipe.data.proto import DataProto
+from rollpipe.pipeline import PipelineConfig, RolloutPipeline
+
+RESULTS = Path(__file__).resolve().parent / "results"
+REPORT_NAME = "fault_campaign.json"
+EPISODE_KINDS = ("text", "tool", "agent")
+ENGINES = ("scripted", "vllm")
+COUNTS = ("points", "lost", "duplicated", "unexpected", "hangs", "failed_checks")
+
+Ids = list[tuple[int, int]]
+
+
+# -- the registry ------------------------------------------------------------------------
+@attrs.frozen
+class FaultKind:
+    """One fault kind: how it is injected into a batch, and what must follow."""
+
+    name: str
+    inject: Callable[[Run, random.Random], DataProto]
+    expected: str
+    check: Callable[[Run], list[str]] = lambda run: []
+    engines: tuple[str, ...] = ENGINES
+
+
+FAULTS: dict[str, FaultKind] = {}
+"""Fault kind name -> :class:`FaultKind` (see "Adding a fault kind" above)."""
+
+
+def fault_kind(
+    name: str,
+    *,
+    expected: str,
+    check: Callable[[Run], list[str]] | None = None,
+    engines: tuple[str, ...] = ENGINES,
+) -> Callable[[Callable[[Run, random.Random], DataProto]], Callable[..., DataProto]]:
+    """Register the decorated ``inject(run, rng) -> batch`` as fault kind ``name``."""
+
+    def register(inject: Callable[[Run, random.Random], DataProto]) -> Callable[..., DataProto]:
+        if name in FAULTS:
+            raise ValueError(f"fault kind {name!r} is registered already")
+        FAULTS[name] = FaultKind(name, inject, expected, check or (lambda run: []), engines)
+        return inject
+
+    return register
+
+
+# -- one run: a pipeline, the point trigger, the watchdog ----------------------------------
+class Tap:
+    """Counts engine requests; :meth:`arm` sets ``point`` at the n-th request from now.
+    Called on the engine's loop (``tick``) and from the campaign thread (``arm``)."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.aborted = 0  # answers with finish_reason "abort" (regenerated by the episode)
+        self._at: int | None = None
+        self._event: threading.Event | None = None
+        self._lock = threading.Lock()
+
+    def tick(self) -> None:
+        with self._lock:
+            self.requests += 1
+            if self._at is not None and self.requests >= self._at and self._event is not None:
+                self._event.set()
+                self._at = None
+
+    def arm(self, n: int, event: threading.Event) -> None:
+        with self._lock:
+            self._at, self._event = self.requests + n, event
+        if n == 0:
+            event.set()  # before the batch's first request
+
+
+class Run:
+    """One pipeline on one episode kind and engine, with what fault kinds need."""
+
+    def __init__(self, setup: Setup, episode_kind: str, engine_kind: str, seed: int) -> None:
+        self.setup, self.episode_kind, self.engine_kind = setup, episode_kind, engine_kind
+        self.engine = setup.engine(engine_kind)
+        self.tap = setup.taps[engine_kind]
+        self.config = setup.config(episode_kind, seed)
+        self.weights = setup.weights(engine_kind)
+        self.pipe = self.new_pipeline()
+        self.notes: list[str] = []  # what a kind's check found
+
+    def new_pipeline(self) -> RolloutPipeline:
+        return RolloutPipeline(self.config, self.engine, self.setup.tokenizer)
+
+    def replace_pipeline(self, state: dict[str, Any] | None = None) -> None:
+        """Close the pipeline; a fresh one takes its place (loading ``state`` if given)."""
+        self.pipe.close()
+        self.pipe = self.new_pipeline()
+        if state is not None:
+            self.pipe.load_state_dict(state)
+
+    def during_batch(self, rng: random.Random, action: Callable[[], None]) -> DataProto:
+        """``get_batch`` on another thread; ``action()`` here at a random engine request
+        of it (or when it returns, if it needs fewer); then the batch."""
+        out: dict[str, Any] = {}
+        point = threading.Event()
+
+        def collect() -> None:
+            try:
+                out["batch"] = self.pipe.get_batch()
+            except BaseException as e:  # raised below
+                out["error"] = e
+            finally:
+                point.set()
+
+        self.tap.arm(rng.randint(0, 2 * self.config.batch_size), point)
+        worker = threading.Thread(target=collect, name="campaign-collect")
+        worker.start()
+        point.wait()  # bounded by the watchdog, which closes the pipeline
+        action()
+        worker.join()
+        if "error" in out:
+            raise out["error"]
+        return out["batch"]
+
+
+class Watchdog:
+    """Fires when a point outlives ``seconds``: records it, dumps the stacks, closes the
+    pipeline (waking ``get_batch``); a second period later it ends the process."""
+
+    def __init__(self, seconds: float, on_hang: Callable[[], None]) -> None:
+        self.seconds, self.on_hang = seconds, on_hang
+        self.fired = False
+        self._timer: threading.Timer | None = None
+
+    def __enter__(self) -> Watchdog:
+        self.fired = False
+        self._timer = threading.Timer(self.seconds, self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+        return self
+
+    def _fire(self) -> None:
+        self.fired = True
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        last = threading.Timer(self.seconds, lambda: os._exit(3))  # truly stuck
+        last.daemon = True
+        last.start()
+        self.on_hang()
+        last.cancel()
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._timer is not None
+        self._timer.cancel()
+
+
+# -- the fault kinds ---------------------------------------------------------------------
+def _suspend(mode: str) -> Callable[[Run, random.Random], DataProto]:
+    def inject(run: Run, rng: random.Random) -> DataProto:
+        update = rng.random() < 0.5
+
+        def act() -> None:
+            run.pipe.suspend(mode)  # type: ignore[arg-type]
+            if update:
+                before = run.pipe.version
+                if run.pipe.update_weights(run.weights) != before + 1:
+                    run.notes.append(f"update_weights did not move the version from {before}")
+            run.pipe.resume()
+
+        return run.during_batch(rng, act)
+
+    return inject
+
+
+for _mode, _what in (
+    ("keep", "in-flight requests freeze and go on after resume"),
+    ("abort", "in-flight requests are aborted and their turns regenerated"),
+    ("wait", "in-flight requests finish before the pause"),
+):
+    fault_kind(f"suspend_{_mode}", expected=f"{_what}; the batch is the reference's")(
+        _suspend(_mode)
+    )
+
+
+@fault_kind(
+    "checkpoint",
+    expected="state_dict (through torch.save / torch.load, weights_only) restored into a "
+    "fresh pipeline yields the reference's batches",
+)
+def checkpoint(run: Run, rng: random.Random) -> DataProto:
+    buffer = io.BytesIO()
+    torch.save(run.pipe.state_dict(), buffer)
+    buffer.seek(0)
+    run.replace_pipeline(torch.load(buffer, weights_only=True))
+    batch = run.pipe.get_batch()
+    assert batch is not None
+    return batch
+
+
+def _all_ranks_back(run: Run) -> list[str]:
+    ranks = run.engine.active_ranks
+    return [] if ranks == [0, 1] else [f"pool ranks after expand: {ranks}, not [0, 1]"]
+
+
+@fault_kind(
+    "shrink_expand",
+    expected="rank 1 leaves mid-batch (its requests re-sent to rank 0) and comes back "
+    "before the next point; the batch is the reference's",
+    check=_all_ranks_back,
+    engines=("scripted",),
+)
+def shrink_expand(run: Run, rng: random.Random) -> DataProto:
+    def leave() -> None:
+        run.pipe.shrink_sampler([1])
+
+    batch = run.during_batch(rng, leave)
+    fresh = run.engine.version == 0  # a rebuilt rank starts at 0: skip_load fits only then
+    run.pipe.expand_sampler([1], skip_load=fresh and rng.random() < 0.5)
+    return batch
+
+
+# -- engines, episode kinds, references ---------------------------------------------------
+def _calculate_call(tokenizer: Any) -> list[int]:
+    text = (
+        '<tool_call>\n{"name": "calculate", "arguments": {"expression": "12 * 34"}}\n</tool_call>'
+    )
+    return [*tokenizer(text, add_special_tokens=False)["input_ids"], _eos(tokenizer)]
+
+
+def _eos(tokenizer: Any) -> int:
+    return int(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+
+
+async def two_call_agent(client: Any, task: str) -> float:
+    """Two chat calls through the front door, the second answering the first."""
+    messages: list[Any] = [{"role": "user", "content": task}]
+    for _ in range(2):
+        reply = await client.chat.completions.create(model="m", messages=messages, max_tokens=8)
+        messages += [reply.choices[0].message, {"role": "user", "content": "And then?"}]
+    return float(len(reply.choices[0].message.content or "") % 2)
+
+
+class Setup:
+    """Engines, tokenizer and configs shared by every run (engines built on first use)."""
+
+    def __init__(self, batches: int) -> None:
+        from transformers import AutoTokenizer
+
+        from rollpipe.envs import register
+        from rollpipe.frontdoor import AgentEnv
+        from rollpipe.training.tiny_model import default_model_path
+
+        self.batches = batches
+        self.path = default_model_path(tools=True)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
+        self.taps = {kind: Tap() for kind in ENGINES}
+        self._engines: dict[str, Any] = {}
+        self._weights: dict[str, Any] = {}
+        self.references: dict[tuple[str, str, int], list[Ids]] = {}
+        register(
+            "campaign_agent",
+            lambda: AgentEnv(two_call_agent, task=lambda seed: f"What is {seed % 50} + 3?"),
+            overwrite=True,
+        )
+
+    def engine(self, kind: str) -> Any:
+        if kind not in self._engines:
+            self._engines[kind] = self._build(kind)
+        return self._engines[kind]
+
+    def _build(self, kind: str) -> Any:
+        tap = self.taps[kind]
+        if kind == "scripted":
+            from rollpipe.engines.pool import EnginePool
+            from rollpipe.engines.scripted import ScriptedEngine
+
+            call, answer = (
+                _calculate_call(self.tokenizer),
+                [*self.tokenizer("It is 408.")["input_ids"], _eos(self.tokenizer)],
+            )
+
+            def policy(prompt_ids: Sequence[int], params: Any) -> list[int]:
+                tap.tick()
+                return call if len(prompt_ids) % 3 else answer  # tool turns end either way
+
+            return EnginePool(lambda rank: ScriptedEngine(policy, name=f"campaign-{rank}"), 2)
+        from rollpipe.engines.vllm import VLLMEngine
+
+        engine = VLLMEngine(self.path, kv_cache_space_gib=0.5, max_model_len=1024, seed=0)
+        generate = engine.generate
+
+        async def tapped(prompt_ids: Any, params: Any, **kw: Any) -> Any:
+            tap.tick()
+            gen = await generate(prompt_ids, params, **kw)
+            tap.aborted += gen.finish_reason == "abort"  # on the engine's loop: one thread
+            return gen
+
+        engine.generate = tapped  # type: ignore[method-assign]
+        return engine
+
+    def weights(self, kind: str) -> Any:
+        if kind not in self._weights:
+            if kind == "scripted":
+                self._weights[kind] = {"w": torch.zeros(1)}  # a ScriptedEngine ignores them
+            else:
+                from transformers import AutoModelForCausalLM
+
+                model = AutoModelForCausalLM.from_pretrained(str(self.path))
+                self._weights[kind] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return self._weights[kind]
+
+    def config(self, episode_kind: str, seed: int) -> PipelineConfig:
+        envs = {"text": "frozenlake", "tool": "calculator", "agent": "campaign_agent"}
+        return PipelineConfig(
+            envs=envs[episode_kind],
+            group_size=2,
+            batch_size=4,
+            concurrency=8,
+            max_turns=3,
+            max_length=1024,
+            sampling={"max_tokens": 16},
+            tool_parser="hermes",
+            async_generation_ratio=None,
+            seed=seed,
+        )
+
+    def reference(self, episode_kind: str, engine_kind: str, seed: int) -> list[Ids]:
+        key = (episode_kind, engine_kind, seed)
+        if key not in self.references:
+            config = self.config(episode_kind, seed)
+            with RolloutPipeline(config, self.engine(engine_kind), self.tokenizer) as pipe:
+                self.references[key] = [identities(pipe.get_batch()) for _ in range(self.batches)]
+        return self.references[key]
+
+    def engine_counts(self) -> dict[str, dict[str, int]]:
+        """Per engine: requests, aborted answers, requests the pool re-sent on a shrink."""
+        out = {}
+        for kind, engine in self._engines.items():
+            out[kind] = {"requests": self.taps[kind].requests, "aborted": self.taps[kind].aborted}
+            if kind == "scripted":
+                out[kind]["rerouted_by_shrink"] = engine.rerouted
+        return out
+
+    def close(self) -> None:
+        for engine in self._engines.values():
+            engine.close()
+
+
+def identities(batch: DataProto | None) -> Ids:
+    """(group id, episode id) of every row."""
+    assert batch is not None, "a pipeline of an endless source ended"
+    return list(
+        zip(batch.batch["traj_group_id"].tolist(), batch.batch["traj_id"].tolist(), strict=True)
+    )
+
+
+# -- the campaign loop --------------------------------------------------------------------
+class Tally:
+    """Counts by (fault kind, episode kind, engine), summed any way the report needs."""
+
+    def __init__(self) -> None:
+        self.cells: dict[tuple[str, str, str], Counter[str]] = defaultdict(Counter)
+        self.hung: list[dict[str, Any]] = []
+        self.failed: list[str] = []
+
+    def add(self, cell: tuple[str, str, str], **counts: int) -> None:
+        self.cells[cell].update(counts)
+
+    def by(self, *axes: int) -> dict[str, dict[str, int]]:
+        out: dict[str, Counter[str]] = defaultdict(Counter)
+        for cell, counts in self.cells.items():
+            out["/".join(cell[a] for a in axes)].update(counts)
+        return {k: {c: v[c] for c in COUNTS} for k, v in sorted(out.items())}
+
+    def total(self) -> dict[str, int]:
+        return {c: sum(v[c] for v in self.cells.values()) for c in COUNTS}
+
+
+def one_run(
+    setup: Setup,
+    tally: Tally,
+    rng: random.Random,
+    episode_kind: str,
+    engine_kind: str,
+    watchdog_s: float,
+) -> None:
+    """One pipeline, ``setup.batches`` points, compared with its reference."""
+    seed = rng.randrange(8)  # a few seeds per config: references are reused
+    reference = setup.reference(episode_kind, engine_kind, seed)
+    kinds = [k for k in FAULTS.values() if engine_kind in k.engines]
+    run = Run(setup, episode_kind, engine_kind, seed)
+    got: list[Ids] = []
+    owner: dict[tuple[int, int], str] = {}  # reference id -> the point of its batch
+    try:
+        for index in range(setup.batches):
+            kind = rng.choice(kinds)
+            cell = (kind.name, episode_kind, engine_kind)
+            for ident in reference[index]:
+                owner[ident] = kind.name
+            tally.add(cell, points=1)
+            where = f"{kind.name} on {episode_kind}/{engine_kind}, seed {seed}, batch {index}"
+            with Watchdog(watchdog_s, lambda: run.pipe.close()) as dog:
+                try:
+                    batch = kind.inject(run, rng)
+                except BaseException as exc:
+                    if not dog.fired:
+                        raise
+                    tally.add(cell, hangs=1)
+                    tally.hung.append({"point": where, "error": repr(exc)[:300]})
+                    return
+            if dog.fired:
+                tally.add(cell, hangs=1)
+                tally.hung.append({"point": where, "error": "finished after the watchdog"})
+                return
+            got.append(identities(batch))
+            earlier = {i for ids in got[:-1] for i in ids}
+            tally.add(cell, duplicated=sum(i in earlier for i in got[-1]))
+            tally.add(cell, duplicated=len(got[-1]) - len(set(got[-1])))
+            notes = kind.check(run) + run.notes
+            run.notes = []
+            if notes:
+                tally.add(cell, failed_checks=len(notes))
+                tally.failed += [f"{where}: {n}" for n in notes]
+    finally:
+        run.pipe.close()
+    yielded = {i for ids in got for i in ids}
+    expected = {i for ids in reference for i in ids}
+    for ident in expected - yielded:
+        tally.add((owner[ident], episode_kind, engine_kind), lost=1)
+    last = kinds[0].name if not owner else next(reversed(owner.values()))
+    tally.add((last, episode_kind, engine_kind), unexpected=len(yielded - expected))
+
+
+def campaign(
+    points: int,
+    *,
+    vllm_share: float,
+    batches: int,
+    seed: int,
+    watchdog_s: float,
+    min_vllm_runs: int = 0,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run runs until ``points`` points are done (the first ``min_vllm_runs`` on vLLM,
+    then each on vLLM with probability ``vllm_share``); the report (see the module doc)."""
+    start = time.monotonic()
+    rng = random.Random(seed)
+    setup, tally = Setup(batches), Tally()
+    runs = 0
+    try:
+        while tally.total()["points"] < points:
+            on_vllm = runs < min_vllm_runs or rng.random() < vllm_share
+            engine_kind = "vllm" if on_vllm else "scripted"
+            episode_kind = EPISODE_KINDS[runs % len(EPISODE_KINDS)]
+            one_run(setup, tally, rng, episode_kind, engine_kind, watchdog_s)
+            runs += 1
+            if runs % 100 == 0:
+                log(f"{tally.total()} after {runs} runs, {time.monotonic() - start:.0f} s")
+        engines = setup.engine_counts()
+    finally:
+        setup.close()
+    total = tally.total()
+    return {
+        "points": total["points"],
+        "runs": runs,
+        "batches_per_run": batches,
+        "wall_s": round(time.monotonic() - start, 1),
+        "totals": total,
+        "by_fault_kind": tally.by(0),
+        "by_episode_kind": tally.by(1),
+        "by_engine": tally.by(2),
+        "by_fault_and_episode_kind": tally.by(0, 1),
+        "fault_kinds": {
+            k.name: {"expected": k.expected, "engines": list(k.engines)} for k in FAULTS.values()
+        },
+        "engines": engines,
+        "hung_points": tally.hung,
+        "failed_checks": tally.failed[:50],
+        "passed": all(total[c] == 0 for c in COUNTS if c != "points"),
+    }
+
+
+def run(ctx: Any) -> dict[str, Any]:
+    """bench.run's entry: a small campaign (smoke: 18 points, one run on vLLM; quick: 300;
+    full: 2,000), its totals as figures; raises if any is not 0."""
+    points, batches = (18, 3) if ctx.smoke else (300, 10) if ctx.quick else (2000, 10)
+    report = campaign(
+        points,
+        vllm_share=0.03,
+        batches=batches,
+        seed=0,
+        watchdog_s=300,
+        min_vllm_runs=1,
+        log=ctx.log,
+    )
+    if ctx.results_dir is not None:
+        (ctx.results_dir / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
+    if not report["passed"]:
+        raise RuntimeError(f"fault campaign: {report['totals']}; {report['hung_points'][:3]}")
+    totals = report["totals"]
+    failures = sum(v for k, v in totals.items() if k != "points")
+    return {f"fault_campaign_{k}": v for k, v in totals.items()} | {
+        "fault_campaign_failures": failures,
+        "fault_campaign_wall_s": report["wall_s"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--points", type=int, default=1000)
+    parser.add_argument("--smoke", action="store_true", help="18 points, nothing written")
+    parser.add_argument("--vllm-share", type=float, default=0.03, help="share of runs on vLLM")
+    parser.add_argument("--batches", type=int, default=10, help="points per run")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--watchdog-s", type=float, default=300.0, help="a point over this hangs")
+    parser.add_argument("--out", type=Path, default=RESULTS / REPORT_NAME)
+    args = parser.parse_args(argv)
+    points = 18 if args.smoke else args.points
+    report = campaign(
+        points,
+        vllm_share=args.vllm_share,
+        batches=3 if args.smoke else args.batches,
+        seed=args.seed,
+        watchdog_s=args.watchdog_s,
+        min_vllm_runs=1,
+    )
+    report["command"] = "python -m bench.fault_campaign " + " ".join(argv or sys.argv[1:])
+    text = json.dumps(report, indent=2) + "\n"
+    print(text)
+    if not args.smoke:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
