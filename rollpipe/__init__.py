@@ -72,6 +72,11 @@ _EXPORTS: dict[str, str] = {
     "PipelineNodes": "rollpipe.pipeline",
     "RolloutPipeline": "rollpipe.pipeline",
     "build_nodes": "rollpipe.pipeline",
+    "CheckpointError": "rollpipe.checkpoint",
+    "save_checkpoint": "rollpipe.checkpoint",
+    "load_checkpoint": "rollpipe.checkpoint",
+    "latest_checkpoint": "rollpipe.checkpoint",
+    "save_step_checkpoint": "rollpipe.checkpoint",
     "RolloutBuffer": "rollpipe.training.ppo_buffer",
 }
 
@@ -84,6 +89,13 @@ if TYPE_CHECKING:
     from rollpipe.agent.parsers import ResponseParser
     from rollpipe.agent.records import EpisodeSpec, Group, Trajectory, Turn
     from rollpipe.agent.tools import ToolSet
+    from rollpipe.checkpoint import (
+        CheckpointError,
+        latest_checkpoint,
+        load_checkpoint,
+        save_checkpoint,
+        save_step_checkpoint,
+    )
     from rollpipe.config import PipelineConfig
     from rollpipe.corrections.correction import Correction
     from rollpipe.data.proto import DataProto

@@ -1,0 +1,372 @@
+"""A driver killed with SIGKILL resumes from its last complete checkpoint, bitwise.
+
+``driver_run.py`` checkpoints after each batch and writes each batch's digest to a
+results file. The tests kill it at moments picked from what it reports (after the k-th
+batch line, right after it resumed, or while a checkpoint file is half written: it
+pauses inside ``save_checkpoint``'s chunked write and says so), restart it, and check
+that the finished results equal an uninterrupted run's: every batch, bitwise, none
+missing, none twice; and that every batch made twice (before a kill and again after the
+resume) came out the same both times. Torn checkpoint files (hypothesis: truncated at
+any length, any bit flipped) are refused, never half-loaded, and ``latest_checkpoint``
+falls back to the complete one before.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.process
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from driver_run import PREFIX, PRELOAD, _engine, forked_main
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rollpipe.checkpoint import (
+    CheckpointError,
+    CheckpointWarning,
+    checkpoint_path,
+    latest_checkpoint,
+    load_checkpoint,
+    partial_path,
+    save_step_checkpoint,
+    step_checkpoints,
+    verify_checkpoint,
+)
+
+DRIVER = Path(__file__).with_name("driver_run.py")
+FORKS = multiprocessing.get_context("forkserver")
+FORKS.set_forkserver_preload(PRELOAD)
+DEADLINE_S = 300.0  # for one line from a driver: a hang fails the test, it never waits it out
+
+
+class Driver:
+    """One driver process; its stdout lines arrive on a queue as they are printed.
+
+    ``forked``: the process is forked from a fork server that imported torch,
+    transformers and rollpipe once (``driver_run.PRELOAD``); else a fresh interpreter.
+    Either way it is a process of its own, killed with SIGKILL, and the run after it
+    knows only what is on disk.
+    """
+
+    def __init__(
+        self,
+        workdir: Path,
+        batches: int,
+        engine: str,
+        pause: str | None = None,
+        *,
+        forked: bool = False,
+    ):
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.log = workdir / f"stderr-{len(list(workdir.glob('stderr-*')))}.log"
+        argv = [str(workdir), "--batches", str(batches), "--engine", engine]
+        argv += [] if pause is None else ["--pause-in-write", pause]
+        self.proc: subprocess.Popen[str] | multiprocessing.process.BaseProcess
+        if forked:
+            reader, writer = FORKS.Pipe(duplex=False)
+            self.proc = FORKS.Process(target=forked_main, args=(argv, writer, str(self.log)))
+            self.proc.start()
+            writer.close()  # the child's copy is the only writer: its death ends the stream
+            self.stdout = os.fdopen(os.dup(reader.fileno()))
+            reader.close()
+        else:
+            env = os.environ | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+            with open(self.log, "w") as err:
+                self.proc = subprocess.Popen(
+                    [sys.executable, str(DRIVER), *argv],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                    text=True,
+                    env=env,
+                )
+            assert self.proc.stdout is not None
+            self.stdout = self.proc.stdout
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _wait(self) -> int | None:
+        if isinstance(self.proc, subprocess.Popen):
+            return self.proc.wait()
+        self.proc.join()
+        return self.proc.exitcode
+
+    def _read(self) -> None:
+        for line in self.stdout:  # the driver's lines; vLLM's logs go there too
+            if line.startswith(PREFIX):
+                self._queue.put(line[len(PREFIX) :].rstrip("\n"))
+        self._queue.put(None)
+
+    def next_line(self) -> str | None:
+        """The next line the driver prints; None once it has exited."""
+        try:
+            line = self._queue.get(timeout=DEADLINE_S)
+        except queue.Empty:
+            raise AssertionError(
+                f"the driver printed nothing for {DEADLINE_S} s; {self.tail()}"
+            ) from None
+        if line is not None:
+            self.lines.append(line)
+        return line
+
+    def until(self, prefix: str) -> list[str]:
+        """Read lines until one starts with ``prefix``; that line's words."""
+        while (line := self.next_line()) is not None:
+            if line.startswith(prefix):
+                return line.split()
+        raise AssertionError(f"the driver exited before printing {prefix!r}; {self.tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL, then collect what it printed before it died."""
+        assert self.proc.pid is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        assert self._wait() == -signal.SIGKILL
+        while self.next_line() is not None:
+            pass
+
+    def finish(self) -> None:
+        while self.next_line() is not None:
+            pass
+        assert self._wait() == 0, self.tail()
+        assert self.lines[-1] == "done"
+
+    def tail(self) -> str:
+        return f"stdout {self.lines[-5:]}, stderr: {self.log.read_text()[-3000:]}"
+
+
+def batch_lines(lines: list[str]) -> list[tuple[int, str]]:
+    return [(int(w[1]), w[2]) for w in (line.split() for line in lines) if w[0] == "batch"]
+
+
+def results(workdir: Path) -> list[tuple[int, str]]:
+    """The results file's complete lines as (batch, digest)."""
+    path = workdir / "results.txt"
+    text = path.read_text() if path.exists() else ""
+    complete = text[: text.rfind("\n") + 1]
+    return [(int(k), d) for k, d in (line.split() for line in complete.splitlines())]
+
+
+def result_lines(workdir: Path) -> int:
+    """Lines in the results file, a torn last one included."""
+    path = workdir / "results.txt"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def partials(workdir: Path) -> set[tuple[str, int, int]]:
+    """The partial checkpoint files there: (name, size, mtime)."""
+    found = (workdir / "checkpoints").glob(".*.partial")
+    return {(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in found}
+
+
+def reference(tmp: Path, batches: int, engine: str, forked: bool) -> list[str]:
+    """The uninterrupted run's digests."""
+    driver = Driver(tmp / "reference", batches, engine, forked=forked)
+    driver.finish()
+    ref = results(tmp / "reference")
+    assert [k for k, _ in ref] == list(range(batches))
+    assert batch_lines(driver.lines) == ref
+    assert len({d for _, d in ref}) == batches  # the batches differ: a digest that sees them
+    return [d for _, d in ref]
+
+
+def landing(workdir: Path, killed: Driver, left_before: set[tuple[str, int, int]]) -> str:
+    """Where a kill landed, from the files it left (a partial checkpoint file that was
+    not there before it started: mid-write) and what the driver had printed."""
+    steps = [s for s, _ in step_checkpoints(workdir / "checkpoints")]
+    partial = partials(workdir) - left_before
+    if partial:
+        name, size, _ = partial.pop()
+        return f"mid-write ({size} bytes of {name})"
+    done = batch_lines(killed.lines)
+    if not done:
+        return "making the first batch after the resume"
+    k = done[-1][0]
+    if k in steps:
+        return f"after checkpoint {k}, making batch {k + 1}"
+    return f"between result {k} and its checkpoint"
+
+
+def kill_and_resume(
+    tmp: Path,
+    batches: int,
+    engine: str,
+    plan: list[tuple[str, int, float]],
+    ref: list[str],
+    forked: bool,
+) -> list[str]:
+    """Run the driver, killing it at each point of ``plan`` (kind, offset, fraction) and
+    restarting it, then let it finish; check every line against ``ref``. A point's batch
+    is ``offset`` after the first one its run makes. Where each kill landed, in order."""
+    workdir = tmp / "killed"
+    printed: list[tuple[int, str]] = []  # every batch line of every run
+    landed: list[str] = []
+    last_saved = -1  # the newest checkpoint a driver said it saved
+    for i, (kind, offset, fraction) in enumerate([*plan, ("finish", 0, 0.0)]):
+        lines_before, left_before = result_lines(workdir), partials(workdir)
+        pause = f"{offset}:{fraction}" if kind == "write" else None
+        driver = Driver(workdir, batches, engine, pause, forked=forked)
+        _, resumed, dropped = driver.until("start")
+        k = int(resumed) + 1 + offset  # the batch (or checkpoint) to kill at
+        assert kind == "finish" or k < batches, "the plan runs past the last batch"
+        if i:  # resumed from the newest complete checkpoint: the one said saved, or one
+            # saved just before the kill that stopped the line saying so
+            assert int(resumed) in (last_saved, last_saved + 1), (resumed, last_saved)
+            assert int(dropped) == lines_before - (int(resumed) + 1)
+        if kind == "finish":
+            driver.finish()
+        elif kind == "start":
+            driver.kill()
+        elif kind == "line":
+            driver.until(f"batch {k} ")
+            driver.kill()
+        else:  # mid-write: the driver waits inside save_checkpoint's chunked write
+            _, _, written, total = driver.until(f"writing {k} ")
+            partial = partial_path(checkpoint_path(workdir / "checkpoints", k))
+            assert partial.stat().st_size == int(written) < int(total)
+            assert not checkpoint_path(workdir / "checkpoints", k).exists()
+            driver.kill()
+        saved = [int(line.split()[1]) for line in driver.lines if line.startswith("saved")]
+        last_saved = max([last_saved, *saved])
+        printed += batch_lines(driver.lines)
+        if kind != "finish":
+            landed.append(f"{kind} {k}: {landing(workdir, driver, left_before)}")
+    final = results(workdir)
+    assert [k for k, _ in final] == list(range(batches)), "a batch missing or twice"
+    assert [d for _, d in final] == ref, "a batch after a resume differs from the reference"
+    wrong = [(k, d) for k, d in printed if d != ref[k]]
+    assert not wrong, f"batches made again after a kill differ: {wrong}"
+    assert len(printed) > batches  # some batches were made twice: the kills undid work
+    assert not list((workdir / "checkpoints").glob(".*.partial"))
+    assert len(step_checkpoints(workdir / "checkpoints")) == 2  # keep=2
+    return landed
+
+
+def test_scripted_driver_killed_many_times_resumes_bitwise(tmp_path: Path) -> None:
+    """Five SIGKILLs at seeded-random points (each kind at least once; the seed from
+    ``ROLLPIPE_KILL_SEED`` for a campaign), on the scripted engine."""
+    batches, seed = 10, int(os.environ.get("ROLLPIPE_KILL_SEED", "38"))
+    rng = random.Random(seed)
+    ref = reference(tmp_path, batches, "scripted", forked=True)
+    kinds = ["write", "write", "line", "start", rng.choice(["write", "line"])]
+    rng.shuffle(kinds)
+    # a run resumes at most 2 batches past its plan point, so 5 kills fit in 10 batches
+    plan = [(kind, rng.randint(0, 1), rng.choice([0.0, 0.3, 0.6, 0.9])) for kind in kinds]
+    landed = kill_and_resume(tmp_path, batches, "scripted", plan, ref, forked=True)
+    print(f"seed {seed}:", *landed, sep="\n  ")
+    assert sum(x.split(": ")[1].startswith("mid-write") for x in landed) >= 2
+
+    # a torn newest checkpoint: the next start falls back to the one before and warns
+    newest = step_checkpoints(tmp_path / "killed" / "checkpoints")[-1][1]
+    newest.write_bytes(newest.read_bytes()[: rng.randint(1, newest.stat().st_size - 1)])
+    driver = Driver(tmp_path / "killed", batches, "scripted", forked=True)
+    assert driver.until("start")[1:] == [str(batches - 2), "1"]
+    driver.finish()
+    assert [d for _, d in results(tmp_path / "killed")] == ref
+    assert "CheckpointWarning" in driver.log.read_text() and newest.name in driver.log.read_text()
+
+
+def test_vllm_driver_killed_mid_write_and_after_a_batch_resumes_bitwise(tmp_path: Path) -> None:
+    """The real vLLM engine on the tiny model: one kill mid-checkpoint-write, one right
+    after a batch line; the batches after each resume equal the uninterrupted run's."""
+    batches = 4
+    rng = random.Random(int(os.environ.get("ROLLPIPE_KILL_SEED", "38")))
+    ref = reference(tmp_path, batches, "vllm", forked=False)
+    plan = [("write", 1, rng.choice([0.0, 0.5, 0.9])), ("line", 1, 0.0)]
+    landed = kill_and_resume(tmp_path, batches, "vllm", plan, ref, forked=False)
+    print(*landed, sep="\n  ")
+    assert landed[0].split(": ")[1].startswith("mid-write")
+
+
+# -- torn files --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, bytes, dict]:
+    """A directory with two complete checkpoints of a real pipeline state (specs in flight
+    included); the newest one's bytes and state."""
+
+    from rollpipe.pipeline import PipelineConfig, RolloutPipeline
+
+    engine, tokenizer, sampling = _engine("scripted")
+    config = PipelineConfig(
+        envs="frozenlake", group_size=2, batch_size=4, max_turns=3, seed=5,
+        async_generation_ratio=1, sampling=sampling,
+    )  # fmt: skip
+    directory = tmp_path_factory.mktemp("torn")
+    with RolloutPipeline(config, engine, tokenizer, owns_engine=True) as pipe:
+        for step in range(2):
+            pipe.get_batch()
+            state = {"batches": step + 1, "pipeline": pipe.state_dict()}
+            path = save_step_checkpoint(directory, step, state)
+    assert state["pipeline"]["loader"]["root"]  # a real, nested state
+    return directory, path.read_bytes(), state
+
+
+def same(a: object, b: object) -> bool:
+    """Equal nested data, tensors compared bitwise (dtype included)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and (a.dtype == b.dtype and torch.equal(a, b))
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
+def _assert_refused(directory: Path, torn: bytes) -> None:
+    newest = checkpoint_path(directory, 1)
+    newest.write_bytes(torn)
+    with pytest.raises(CheckpointError, match=f"checkpoint {newest}: .*it was not loaded"):
+        load_checkpoint(newest)
+    with pytest.raises(CheckpointError):
+        verify_checkpoint(newest)
+    with pytest.warns(CheckpointWarning, match=newest.name):
+        assert latest_checkpoint(directory) == checkpoint_path(directory, 0)
+    assert load_checkpoint(checkpoint_path(directory, 0))["batches"] == 1
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_a_truncated_checkpoint_is_refused(saved: tuple[Path, bytes, dict], data) -> None:
+    directory, good, _ = saved
+    _assert_refused(directory, good[: data.draw(st.integers(0, len(good) - 1), label="length")])
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_a_flipped_bit_is_refused(saved: tuple[Path, bytes, dict], data) -> None:
+    directory, good, _ = saved
+    torn = bytearray(good)
+    torn[data.draw(st.integers(0, len(good) - 1), label="byte")] ^= 1 << data.draw(
+        st.integers(0, 7), label="bit"
+    )
+    _assert_refused(directory, bytes(torn))
+
+
+def test_extra_bytes_and_other_files_are_refused(saved: tuple[Path, bytes, dict]) -> None:
+    directory, good, state = saved
+    _assert_refused(directory, good + b"\0")
+    _assert_refused(directory, b"PK\x03\x04" + good[4:])  # a plain torch.save zip
+    checkpoint_path(directory, 1).write_bytes(good)  # whole again: loads equal
+    assert same(load_checkpoint(checkpoint_path(directory, 1)), state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert latest_checkpoint(directory) == checkpoint_path(directory, 1)
