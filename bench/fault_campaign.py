@@ -399,10 +399,9 @@ class Setup:
 
 def identities(batch: DataProto | None) -> Ids:
     """(group id, episode id) of every row."""
-    assert batch is not None, "a pipeline of an endless source ended"
-    return list(
-        zip(batch.batch["traj_group_id"].tolist(), batch.batch["traj_id"].tolist(), strict=True)
-    )
+    assert batch is not None and batch.batch is not None, "an endless source's pipeline ended"
+    rows = batch.batch
+    return list(zip(rows["traj_group_id"].tolist(), rows["traj_id"].tolist(), strict=True))
 
 
 # -- the campaign loop --------------------------------------------------------------------
