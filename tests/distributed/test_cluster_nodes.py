@@ -19,6 +19,7 @@ batch is under way.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import threading
 from collections import Counter
@@ -103,7 +104,14 @@ def pool(nodes: Nodes, tiny_model_path: Path) -> Iterator[EnginePool]:
         placed = {"resources": {f"engine_{rank}": 1}}
         return RayEngine(make, num_cpus=1, weights=store, actor_options=placed)
 
-    engines = EnginePool(rank_engine, 2)
+    with concurrent.futures.ThreadPoolExecutor(2) as starting:  # both actors start at once
+        first = iter(list(starting.map(rank_engine, (0, 1))))
+
+    def started_first(rank: int) -> RayEngine:  # ranks 0 and 1 take them; expand builds anew
+        engine = next(first, None)
+        return engine if engine is not None else rank_engine(rank)
+
+    engines = EnginePool(started_first, 2)
     yield engines
     engines.close()
 
@@ -132,6 +140,12 @@ def node_of(actor: Any) -> str:
     """The node Ray's actor table (GCS) places ``actor`` on."""
     info = ray._private.state.actors(actor._actor_id.hex())
     return str(info["Address"]["NodeID"])
+
+
+def node_alive(node_id: str) -> bool:
+    """Whether Ray's node table still has ``node_id`` alive (it marks a SIGKILLed node
+    dead once its health checks fail)."""
+    return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
 
 
 def env_worker_nodes() -> list[str]:
@@ -259,7 +273,8 @@ def test_an_env_node_lost_mid_batch_fails_its_episodes_and_replaces_their_groups
     failed_groups = {t.group_id for t in errors}
     assert dropped_errored(run, batch) == len(failed_groups)  # each dropped once, replaced
     assert not failed_groups & group_ids and not {t.traj_id for t in errors} & traj_ids
-    live = env_worker_nodes()
+    wait_until(lambda: not node_alive(lost), DEADLINE_S, "Ray to mark the lost node dead")
+    live = env_worker_nodes()  # its actors are dead in Ray's table too, now
     assert live and set(live) == {str(replacement.node_id)} and lost not in live
     done = [t.traj_id for t in seen if t.end_reason != "error"]
     assert len(done) == len(set(done))  # no trajectory came out twice
