@@ -25,7 +25,8 @@ import contextlib
 import functools
 import time
 from collections import deque
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 from torchdata.nodes import BaseNode
@@ -33,22 +34,25 @@ from torchdata.nodes import BaseNode
 from rollpipe._utils.checks import instance_of, int_in, one_of, optional
 from rollpipe._utils.threads import shutdown_within
 from rollpipe.agent.chat import ChatFormat
-from rollpipe.agent.env_contract import runs_own_episode
 from rollpipe.agent.env_errors import FirstErrors
-from rollpipe.agent.env_threads import EnvLease, EnvThreads
-from rollpipe.agent.episode import EpisodeSettings, run_episode
+from rollpipe.agent.env_threads import EnvThreads
+from rollpipe.agent.episode import EpisodeSettings
 from rollpipe.agent.records import EpisodeSpec, Trajectory
 from rollpipe.engines.protocol import Engine
 from rollpipe.nodes.admitted import Admitted
 from rollpipe.nodes.closing import close_chain
-from rollpipe.nodes.env_pool import EnvForSpec, EnvPool
+from rollpipe.nodes.env_pool import EnvForSpec, EnvPool, run_spec
 from rollpipe.nodes.signals import PipelineSignals
 from rollpipe.runtime import Feed, Runtime, RuntimeClosedError, Signal
+
+if TYPE_CHECKING:
+    from rollpipe.workers import EpisodeWorkers
 
 _END = object()  # the stream is over (a coroutine cannot raise StopIteration)
 CLOSE_WAIT_S = 0.5  # how long close() waits for episodes and threads to stop
 MAX_CONCURRENCY = 65536
 """Episodes in flight (and env threads) at most: each holds a task, an env and buffers."""
+MAX_EPISODE_WORKERS = 1024
 
 
 @attrs.frozen(kw_only=True)
@@ -61,11 +65,16 @@ class RunnerSettings:
     ``env_backend``: ``"local"`` (envs in this process) or ``"ray"`` (each env slot's env in a
     Ray actor, ``rollpipe.envs.ray_env``). ``in_order``: yield in admission order (reproducible)
     or completion order; None (auto): admission order here, resolved by
-    ``PipelineConfig.admission_order`` in the standard chain.
+    ``PipelineConfig.admission_order`` in the standard chain. ``episode_workers``: 0 runs the
+    episodes on the engine's loop; N > 0 runs them in N worker processes (Ray actors, each
+    with its own loop: env calls, rendering, tokenization, tool calls and agents leave the
+    driver; ``rollpipe.workers``); ``worker_options`` are those actors' Ray options
+    (``num_cpus``, ``resources``, ...).
 
     Examples:
-        >>> RunnerSettings(concurrency=8)
-        RunnerSettings(concurrency=8, env_workers=0, env_backend='local', in_order=None)
+        >>> RunnerSettings(concurrency=8)  # doctest: +NORMALIZE_WHITESPACE
+        RunnerSettings(concurrency=8, env_workers=0, env_backend='local', in_order=None,
+                       episode_workers=0, worker_options={})
     """
 
     concurrency: int = attrs.field(default=32, validator=int_in(1, MAX_CONCURRENCY))
@@ -74,6 +83,10 @@ class RunnerSettings:
         default="local", validator=one_of("local", "ray")
     )
     in_order: bool | None = attrs.field(default=None, validator=optional(instance_of(bool)))
+    episode_workers: int = attrs.field(default=0, validator=int_in(0, MAX_EPISODE_WORKERS))
+    worker_options: Mapping[str, Any] = attrs.field(
+        factory=dict, converter=dict, validator=instance_of(dict)
+    )
 
 
 class EpisodeRunner(BaseNode[Trajectory]):
@@ -127,12 +140,38 @@ class EpisodeRunner(BaseNode[Trajectory]):
         # One thread pulls the upstream node (never the loop); env threads run blocking envs.
         self._source_thread = concurrent.futures.ThreadPoolExecutor(1, "rollpipe-source")
         self._env_threads = EnvThreads(self.settings.env_workers or concurrency)
+        self._workers = self._episode_workers(env_factory)
         self._wakeup = Signal()  # the driver's: room to admit, the gate opened, a cancel...
         self.signals.add_listener(self._wakeup.notify)
         self._driver: asyncio.Task[None] | None = None
         self._closed = False
         self._first_errors = FirstErrors()  # a WARNING per env tag and error type, once
         self._clear()
+
+    def _episode_workers(self, env_factory: EnvForSpec | None) -> EpisodeWorkers | None:
+        """The worker processes episodes run in (``settings.episode_workers``), if any."""
+        if self.settings.episode_workers == 0:
+            return None
+        from rollpipe.workers import EpisodeWorkers
+
+        workers = EpisodeWorkers(
+            self.settings.episode_workers,
+            self.engine,
+            self.chat,
+            self.episode,
+            env_factory,
+            admit=self.signals.admit,
+            env_threads=self.settings.env_workers or self.concurrency,
+            env_calls_on_threads=self.settings.env_workers > 0,
+            actor_options=dict(self.settings.worker_options),
+        )
+        self._scope.call(_started(workers))
+        return workers
+
+    @property
+    def workers(self) -> EpisodeWorkers | None:
+        """The episode workers (``settings.episode_workers > 0``), else None."""
+        return self._workers
 
     # -- bookkeeping (loop thread only) -----------------------------------------------
     def _clear(self) -> None:
@@ -254,28 +293,18 @@ class EpisodeRunner(BaseNode[Trajectory]):
         self._live[index] = task
 
     async def _run(self, spec: EpisodeSpec) -> Trajectory:
-        env_id, env = self._envs.acquire(spec)
-        lease = EnvLease(functools.partial(self._envs.release, spec, env_id, env))
-        try:
-            if runs_own_episode(env):  # an episode kind (AgentEnv), not an env to step
-                admit = self.signals.admit
-                return await env.run_episode(  # type: ignore[no-any-return]
-                    spec, self.engine, self.chat, self.episode, admit=admit, env_id=env_id
-                )
-            return await run_episode(
-                spec,
-                env,
-                self.engine,
-                self.chat,
-                self.episode,
-                env_id=env_id,
-                admit=self.signals.admit,
-                env_threads=self._env_threads,
-                env_lease=lease,  # an env is reused only once no call of it runs
-                env_calls_on_threads=self.settings.env_workers > 0,
-            )
-        finally:
-            lease.end()
+        if self._workers is not None:  # the episode runs in a worker process
+            return await self._workers.run(spec)
+        return await run_spec(
+            spec,
+            self._envs,
+            self.engine,
+            self.chat,
+            self.episode,
+            admit=self.signals.admit,
+            env_threads=self._env_threads,
+            env_calls_on_threads=self.settings.env_workers > 0,
+        )
 
     def _on_done(self, index: int, task: asyncio.Task[Trajectory]) -> None:
         """An episode ended: record its result (or failure) and wake both sides."""
@@ -381,6 +410,10 @@ class EpisodeRunner(BaseNode[Trajectory]):
             stopping = self._runtime.submit(self._stop_all())
             with contextlib.suppress(TimeoutError, RuntimeClosedError):
                 stopping.result(CLOSE_WAIT_S)  # a loop blocked in an env call runs it later
+            if self._workers is not None:
+                closing = self._runtime.submit(self._workers.close())
+                with contextlib.suppress(TimeoutError, RuntimeClosedError):
+                    closing.result(CLOSE_WAIT_S)
         shutdown_within(self._source_thread, max(0.0, deadline - time.monotonic()))
         self._env_threads.close(max(0.0, deadline - time.monotonic()))
         try:
@@ -393,6 +426,10 @@ class EpisodeRunner(BaseNode[Trajectory]):
             self._scope.close()
             self._source_thread.shutdown(wait=False, cancel_futures=True)
             self._env_threads.close(0.0)
+
+
+async def _started(workers: EpisodeWorkers) -> None:
+    workers.start()  # on the loop: each worker's link runs there
 
 
 Rollout = EpisodeRunner  # old name, kept importable
