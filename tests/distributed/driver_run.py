@@ -45,6 +45,7 @@ from typing import Any
 
 PRELOAD = ["torch", "transformers", "rollpipe.pipeline", "rollpipe.engines.scripted"]
 PRELOAD += ["rollpipe.checkpoint", "transformers.models.auto.tokenization_auto", __name__]
+PRELOAD += ["vllm", "vllm.engine.arg_utils", "vllm.v1.engine.async_llm", "rollpipe.engines.vllm"]
 RESULTS = "results.txt"
 CHECKPOINTS = "checkpoints"
 SEED = 11
@@ -208,6 +209,7 @@ def forked_main(argv: Sequence[str], out: Any, err_path: str) -> None:
     os.close(err)
     sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 (fd 1 lives as long as we do)
     sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
     main(argv)
 
 

@@ -13,6 +13,7 @@ falls back to the complete one before.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.process
 import os
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -49,13 +51,30 @@ FORKS.set_forkserver_preload(PRELOAD)
 DEADLINE_S = 300.0  # for one line from a driver: a hang fails the test, it never waits it out
 
 
+LIVE: list[Driver] = []  # drivers started and not yet seen to exit
+
+
+@pytest.fixture(autouse=True)
+def _no_driver_left_behind() -> Iterator[None]:
+    """A test that fails while a driver runs (or waits to be killed) kills it."""
+    yield
+    while LIVE:
+        driver = LIVE.pop()
+        if driver.proc.pid is not None:
+            with contextlib.suppress(ProcessLookupError):  # it may have just exited
+                os.kill(driver.proc.pid, signal.SIGKILL)
+        driver._wait()
+
+
 class Driver:
     """One driver process; its stdout lines arrive on a queue as they are printed.
 
     ``forked``: the process is forked from a fork server that imported torch,
-    transformers and rollpipe once (``driver_run.PRELOAD``); else a fresh interpreter.
-    Either way it is a process of its own, killed with SIGKILL, and the run after it
-    knows only what is on disk.
+    transformers, vLLM and rollpipe once (``driver_run.PRELOAD``), and so starts in a
+    second instead of 5-20 (vLLM's engine is still built in each); else it is a fresh
+    interpreter (``python driver_run.py``), as the scripted test's reference run is, so
+    that a forked run is checked against one. Either way it is a process of its own,
+    killed with SIGKILL, and the run after it knows only what is on disk.
     """
 
     def __init__(
@@ -93,15 +112,21 @@ class Driver:
                 )
             assert self.proc.stdout is not None
             self.stdout = self.proc.stdout
+        LIVE.append(self)
         self.lines: list[str] = []
         self._queue: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
     def _wait(self) -> int | None:
         if isinstance(self.proc, subprocess.Popen):
-            return self.proc.wait()
-        self.proc.join()
-        return self.proc.exitcode
+            self.proc.wait()
+        else:
+            self.proc.join()
+        if self in LIVE:
+            LIVE.remove(self)
+        return (
+            self.proc.returncode if isinstance(self.proc, subprocess.Popen) else self.proc.exitcode
+        )
 
     def _read(self) -> None:
         for line in self.stdout:  # the driver's lines; vLLM's logs go there too
@@ -258,7 +283,7 @@ def test_scripted_driver_killed_many_times_resumes_bitwise(tmp_path: Path) -> No
     ``ROLLPIPE_KILL_SEED`` for a campaign), on the scripted engine."""
     batches, seed = 10, int(os.environ.get("ROLLPIPE_KILL_SEED", "38"))
     rng = random.Random(seed)
-    ref = reference(tmp_path, batches, "scripted", forked=True)
+    ref = reference(tmp_path, batches, "scripted", forked=False)  # a fresh interpreter
     kinds = ["write", "write", "line", "start", rng.choice(["write", "line"])]
     rng.shuffle(kinds)
     # a run resumes at most 2 batches past its plan point, so 5 kills fit in 10 batches
@@ -282,9 +307,9 @@ def test_vllm_driver_killed_mid_write_and_after_a_batch_resumes_bitwise(tmp_path
     after a batch line; the batches after each resume equal the uninterrupted run's."""
     batches = 4
     rng = random.Random(int(os.environ.get("ROLLPIPE_KILL_SEED", "38")))
-    ref = reference(tmp_path, batches, "vllm", forked=False)
+    ref = reference(tmp_path, batches, "vllm", forked=True)
     plan = [("write", 1, rng.choice([0.0, 0.5, 0.9])), ("line", 1, 0.0)]
-    landed = kill_and_resume(tmp_path, batches, "vllm", plan, ref, forked=False)
+    landed = kill_and_resume(tmp_path, batches, "vllm", plan, ref, forked=True)
     print(*landed, sep="\n  ")
     assert landed[0].split(": ")[1].startswith("mid-write")
 
