@@ -7,8 +7,9 @@ actor lands where its options ask: ``engine_0`` and ``engine_1`` host the two ra
 ``{"resources": {"envs": ...}}``, given to the pipeline as its ``env_factory``). Placement
 is read from Ray's own actor table (GCS), not from rollpipe.
 
-The tests run in order on the one cluster: placement; the engine node killed mid-batch
-(the pool takes its rank out and re-sends its requests: the batch is the same episodes,
+The tests run in order on the one cluster and one pipeline (its env workers start once,
+its batches are the granted groups in order): placement; the engine node killed mid-batch
+(the pool takes its rank out and re-sends its requests: the batch is the groups granted,
 none dropped); a new node for that rank and ``expand_sampler`` (requests reach it
 again); the env node killed mid-batch (the episodes whose env worker died fail and their
 groups are replaced, per docs/ray-envs.md; new env workers start on a replacement node).
