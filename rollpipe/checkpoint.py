@@ -97,9 +97,11 @@ def _payload_of(state: Mapping[str, Any]) -> bytes:
     try:
         torch.load(io.BytesIO(payload), weights_only=True)
     except Exception as e:
+        why = [line.strip() for line in str(e).splitlines() if "Unpickler error" in line]
+        reason = why[0].split(". Please")[0] if why else str(e)
         raise TypeError(
-            "save_checkpoint: the state holds objects torch.load(weights_only=True) "
-            f"refuses ({e}); keep only plain data (dicts, lists, str, numbers) and tensors"
+            "save_checkpoint: the state holds objects torch.load(weights_only=True) refuses "
+            f"({reason}); keep only plain data (dicts, lists, str, numbers) and tensors"
         ) from e
     return payload
 
