@@ -40,6 +40,7 @@ added this way).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import faulthandler
 import io
 import json
@@ -57,6 +58,10 @@ import attrs
 import torch
 
 from rollpipe.data.proto import DataProto
+from rollpipe.engines.backend import EngineLink
+from rollpipe.engines.base import BaseEngine
+from rollpipe.engines.protocol import PauseMode
+from rollpipe.engines.records import Generation, SamplingParams
 from rollpipe.pipeline import PipelineConfig, RolloutPipeline
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -65,7 +70,11 @@ EPISODE_KINDS = ("text", "tool", "agent")
 ENGINES = ("scripted", "vllm")
 COUNTS = ("points", "lost", "duplicated", "unexpected", "hangs", "failed_checks")
 
+STEP_S = 0.0005
+"""The scripted ranks' time per token: a 16-token answer is in flight for about 8 ms."""
+
 Ids = list[tuple[int, int]]
+Policy = Callable[[Sequence[int], SamplingParams], Sequence[int]]
 
 
 # -- the registry ------------------------------------------------------------------------
@@ -271,6 +280,92 @@ def shrink_expand(run: Run, rng: random.Random) -> DataProto:
 
 
 # -- engines, episode kinds, references ---------------------------------------------------
+class _SteppedBackend:
+    """A scripted answer produced one token per ``step_s`` (bench only), so requests are
+    in flight when a point lands: ``keep`` freezes them between tokens, ``abort`` ends
+    them (and queued ones) with "abort" and what they had, ``wait`` lets them finish;
+    new requests queue while paused."""
+
+    vocab_size = None
+    takes_views = True
+
+    def __init__(self, link: EngineLink, policy: Policy, step_s: float, tap: Tap) -> None:
+        self.link, self.policy, self.step_s, self.tap = link, policy, step_s, tap
+        self.changed = asyncio.Condition()
+        self.in_flight = 0
+        self.aborts = 0  # pause("abort") calls so far: a request that saw another ends
+        self.closed: BaseException | None = None
+
+    def _ended(self, epoch: int) -> bool:
+        if self.closed is not None:
+            raise self.closed
+        return self.aborts != epoch
+
+    async def generate(self, prompt: Sequence[int], params: SamplingParams) -> Generation:
+        ids = list(self.policy(prompt, params))[: params.max_tokens]
+        cut = min((ids.index(t) + 1 for t in params.stop_token_ids if t in ids), default=None)
+        ids = ids if cut is None else ids[:cut]
+        epoch, versions = self.aborts, list[int]()
+        async with self.changed:  # queued while paused
+            await self.changed.wait_for(lambda: self._ended(epoch) or not self.link.pause_mode())
+        self.in_flight += 1
+        try:
+            for _ in ids:
+                async with self.changed:  # frozen between tokens under keep
+                    await self.changed.wait_for(
+                        lambda: self._ended(epoch) or self.link.pause_mode() != "keep"
+                    )
+                if self._ended(epoch):
+                    self.tap.aborted += 1
+                    n = len(versions)
+                    return Generation(ids[:n], [0.0] * n, "abort", versions)
+                await asyncio.sleep(self.step_s)  # the token's compute time
+                versions.append(self.link.version())
+        finally:
+            self.in_flight -= 1
+            async with self.changed:
+                self.changed.notify_all()
+        reason = "stop" if cut is not None else "length"
+        return Generation(ids, [0.0] * len(ids), reason, versions)
+
+    async def pause(self, mode: PauseMode) -> None:
+        async with self.changed:
+            if mode == "abort":
+                self.aborts += 1
+            self.changed.notify_all()
+            if mode != "keep":
+                await self.changed.wait_for(lambda: self.in_flight == 0)
+
+    async def resume(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def load_weights(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
+        return None
+
+    async def shutdown(self, error: BaseException) -> None:
+        self.closed = error
+        async with self.changed:
+            self.changed.notify_all()
+
+    def release(self) -> None:
+        return None
+
+
+class SteppedEngine(BaseEngine):
+    """A ``BaseEngine`` whose answer is ``policy(prompt_ids, params)``, one token every
+    ``step_s`` (bench only: ``ScriptedEngine`` answers at once, so no request would be in
+    flight for a suspend or a shrink to act on)."""
+
+    def __init__(self, policy: Policy, tap: Tap, step_s: float, name: str) -> None:
+        super().__init__(name=name)
+
+        async def start(link: EngineLink) -> _SteppedBackend:
+            return _SteppedBackend(link, policy, step_s, tap)
+
+        self._attach(start, "a policy function")
+
+
 def _calculate_call(tokenizer: Any) -> list[int]:
     text = (
         '<tool_call>\n{"name": "calculate", "arguments": {"expression": "12 * 34"}}\n</tool_call>'
@@ -323,7 +418,6 @@ class Setup:
         tap = self.taps[kind]
         if kind == "scripted":
             from rollpipe.engines.pool import EnginePool
-            from rollpipe.engines.scripted import ScriptedEngine
 
             call, answer = (
                 _calculate_call(self.tokenizer),
@@ -334,7 +428,9 @@ class Setup:
                 tap.tick()
                 return call if len(prompt_ids) % 3 else answer  # tool turns end either way
 
-            return EnginePool(lambda rank: ScriptedEngine(policy, name=f"campaign-{rank}"), 2)
+            return EnginePool(
+                lambda rank: SteppedEngine(policy, tap, STEP_S, f"campaign-{rank}"), 2
+            )
         from rollpipe.engines.vllm import VLLMEngine
 
         engine = VLLMEngine(self.path, kv_cache_space_gib=0.5, max_model_len=1024, seed=0)
