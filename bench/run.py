@@ -52,6 +52,7 @@ BENCHMARKS = (
     "image_turn",
     "fault_campaign",
     "node_loss",
+    "weight_sync",
 )
 NEEDS_ENGINE = {
     "efficiency",
@@ -227,6 +228,27 @@ SUMMARY = (
     ("16", "Node lost mid-batch: batch time ÷ without", "node_loss_ratio", "—", "{:.2f}×"),
     ("16", "Node lost mid-batch: death to batch", "node_loss_death_to_batch_s", "—", "{:.1f} s"),
     ("16", "Batch without a node lost (same run)", "node_loss_batch_s", "—", "{:.1f} s"),
+    (
+        "17",
+        "Weight sync 500 MB: broadcast ÷ object store MB/s",
+        "weight_sync_broadcast_over_object_store_500mb",
+        "—",
+        "{:.2f}×",
+    ),
+    (
+        "17",
+        "Weight sync 7B by broadcast (projected)",
+        "weight_sync_broadcast_7b_s",
+        "—",
+        "{:.1f} s",
+    ),
+    (
+        "17",
+        "Weight sync 7B via object store (projected)",
+        "weight_sync_object_store_7b_s",
+        "—",
+        "{:.1f} s",
+    ),
 )
 
 
