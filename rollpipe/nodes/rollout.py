@@ -26,7 +26,7 @@ import functools
 import time
 from collections import deque
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import attrs
 from torchdata.nodes import BaseNode
@@ -44,9 +44,7 @@ from rollpipe.nodes.closing import close_chain
 from rollpipe.nodes.env_pool import EnvForSpec, EnvPool, run_spec
 from rollpipe.nodes.signals import PipelineSignals
 from rollpipe.runtime import Feed, Runtime, RuntimeClosedError, Signal
-
-if TYPE_CHECKING:
-    from rollpipe.workers import EpisodeWorkers
+from rollpipe.workers.episode_workers import workers_for
 
 _END = object()  # the stream is over (a coroutine cannot raise StopIteration)
 CLOSE_WAIT_S = 0.5  # how long close() waits for episodes and threads to stop
@@ -65,11 +63,9 @@ class RunnerSettings:
     ``env_backend``: ``"local"`` (envs in this process) or ``"ray"`` (each env slot's env in a
     Ray actor, ``rollpipe.envs.ray_env``). ``in_order``: yield in admission order (reproducible)
     or completion order; None (auto): admission order here, resolved by
-    ``PipelineConfig.admission_order`` in the standard chain. ``episode_workers``: 0 runs the
-    episodes on the engine's loop; N > 0 runs them in N worker processes (Ray actors, each
-    with its own loop: env calls, rendering, tokenization, tool calls and agents leave the
-    driver; ``rollpipe.workers``); ``worker_options`` are those actors' Ray options
-    (``num_cpus``, ``resources``, ...).
+    ``PipelineConfig.admission_order`` in the standard chain. ``episode_workers``: N > 0 runs
+    the episodes in N worker processes (``rollpipe.workers``), Ray actors with
+    ``worker_options``; 0: on the engine's loop.
 
     Examples:
         >>> RunnerSettings(concurrency=8)  # doctest: +NORMALIZE_WHITESPACE
@@ -140,38 +136,16 @@ class EpisodeRunner(BaseNode[Trajectory]):
         # One thread pulls the upstream node (never the loop); env threads run blocking envs.
         self._source_thread = concurrent.futures.ThreadPoolExecutor(1, "rollpipe-source")
         self._env_threads = EnvThreads(self.settings.env_workers or concurrency)
-        self._workers = self._episode_workers(env_factory)
+        args = (self.settings, engine, self.chat, self.episode, env_factory, self.signals.admit)
+        if (workers := workers_for(*args)) is not None:  # episodes in worker processes
+            self._scope.call(workers.start())
+        self.workers = workers
         self._wakeup = Signal()  # the driver's: room to admit, the gate opened, a cancel...
         self.signals.add_listener(self._wakeup.notify)
         self._driver: asyncio.Task[None] | None = None
         self._closed = False
         self._first_errors = FirstErrors()  # a WARNING per env tag and error type, once
         self._clear()
-
-    def _episode_workers(self, env_factory: EnvForSpec | None) -> EpisodeWorkers | None:
-        """The worker processes episodes run in (``settings.episode_workers``), if any."""
-        if self.settings.episode_workers == 0:
-            return None
-        from rollpipe.workers import EpisodeWorkers
-
-        workers = EpisodeWorkers(
-            self.settings.episode_workers,
-            self.engine,
-            self.chat,
-            self.episode,
-            env_factory,
-            admit=self.signals.admit,
-            env_threads=self.settings.env_workers or self.concurrency,
-            env_calls_on_threads=self.settings.env_workers > 0,
-            actor_options=dict(self.settings.worker_options),
-        )
-        self._scope.call(_started(workers))
-        return workers
-
-    @property
-    def workers(self) -> EpisodeWorkers | None:
-        """The episode workers (``settings.episode_workers > 0``), else None."""
-        return self._workers
 
     # -- bookkeeping (loop thread only) -----------------------------------------------
     def _clear(self) -> None:
@@ -293,8 +267,8 @@ class EpisodeRunner(BaseNode[Trajectory]):
         self._live[index] = task
 
     async def _run(self, spec: EpisodeSpec) -> Trajectory:
-        if self._workers is not None:  # the episode runs in a worker process
-            return await self._workers.run(spec)
+        if self.workers is not None:  # the episode runs in a worker process
+            return await self.workers.run(spec)
         return await run_spec(
             spec,
             self._envs,
@@ -410,10 +384,9 @@ class EpisodeRunner(BaseNode[Trajectory]):
             stopping = self._runtime.submit(self._stop_all())
             with contextlib.suppress(TimeoutError, RuntimeClosedError):
                 stopping.result(CLOSE_WAIT_S)  # a loop blocked in an env call runs it later
-            if self._workers is not None:
-                closing = self._runtime.submit(self._workers.close())
+            if self.workers is not None:  # stop the links, kill the actors
                 with contextlib.suppress(TimeoutError, RuntimeClosedError):
-                    closing.result(CLOSE_WAIT_S)
+                    self._runtime.submit(self.workers.close()).result(CLOSE_WAIT_S)
         shutdown_within(self._source_thread, max(0.0, deadline - time.monotonic()))
         self._env_threads.close(max(0.0, deadline - time.monotonic()))
         try:
@@ -426,10 +399,6 @@ class EpisodeRunner(BaseNode[Trajectory]):
             self._scope.close()
             self._source_thread.shutdown(wait=False, cancel_futures=True)
             self._env_threads.close(0.0)
-
-
-async def _started(workers: EpisodeWorkers) -> None:
-    workers.start()  # on the loop: each worker's link runs there
 
 
 Rollout = EpisodeRunner  # old name, kept importable

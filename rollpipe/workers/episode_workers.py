@@ -26,8 +26,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol
 
 import attrs
 
@@ -44,12 +44,50 @@ from rollpipe.workers.link import WorkerLink
 from rollpipe.workers.mail import Abandon, Answer, Cancel, Finished, Request, Start
 from rollpipe.workers.worker import WorkerHost
 
-__all__ = ["DEFAULT_MAX_RERUNS", "EpisodeWorkers", "WorkerLostError"]
+__all__ = ["DEFAULT_MAX_RERUNS", "EpisodeWorkers", "WorkerLostError", "workers_for"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_RERUNS = 2
 """Times one episode is run again after its worker died, before the pipeline fails."""
+
+
+class RunnerSettingsLike(Protocol):
+    """What :func:`workers_for` reads of ``rollpipe.nodes.rollout.RunnerSettings``."""
+
+    @property
+    def episode_workers(self) -> int: ...
+    @property
+    def worker_options(self) -> Mapping[str, Any]: ...
+    @property
+    def env_workers(self) -> int: ...
+    @property
+    def concurrency(self) -> int: ...
+
+
+def workers_for(
+    runner: RunnerSettingsLike,
+    engine: Engine,
+    chat: ChatFormat,
+    settings: EpisodeSettings,
+    env_factory: EnvForSpec | None,
+    admit: Callable[[], Awaitable[None]] | None,
+) -> EpisodeWorkers | None:
+    """The workers an EpisodeRunner with ``runner`` settings runs its episodes in (not yet
+    started), or None when ``runner.episode_workers`` is 0 (episodes on the engine's loop)."""
+    if runner.episode_workers == 0:
+        return None
+    return EpisodeWorkers(
+        runner.episode_workers,
+        engine,
+        chat,
+        settings,
+        env_factory,
+        admit=admit,
+        env_threads=runner.env_workers or runner.concurrency,
+        env_calls_on_threads=runner.env_workers > 0,
+        actor_options=dict(runner.worker_options),
+    )
 
 
 class WorkerLostError(RuntimeError):
@@ -116,8 +154,8 @@ class EpisodeWorkers:
         self.failure: WorkerLostError | None = None  # workers cannot start: every run fails
 
     # -- workers ---------------------------------------------------------------------------
-    def start(self) -> None:
-        """Start every worker (on the loop)."""
+    async def start(self) -> None:
+        """Start every worker (on the loop, where their links carry the mail)."""
         for slot in range(self.count):
             self._start_worker(slot)
 
