@@ -51,6 +51,9 @@ def echo(text: str) -> str:
     return text
 
 
+echo.blocking = False  # type: ignore[attr-defined]  # microseconds, pure: runs inline
+
+
 def EchoTools() -> ToolEnv:
     """A tool env that never ends by itself: every turn is one ``echo`` call."""
     return ToolEnv(

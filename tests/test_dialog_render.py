@@ -152,7 +152,7 @@ def play(
             new = [{"role": "user", "content": results[0]}]
         done = len(dialog.sizes)
         more, broke = dialog.continuation(new, response)
-        widest.append((max(dialog.sizes[done:]), len(dialog.messages)))
+        widest.append((max(dialog.sizes[done:], default=0), len(dialog.messages)))  # 0: kept
         ids = [*ids, *response, *more]
         added.append(more)
         breaks.append(broke)

@@ -38,6 +38,8 @@ import numpy.typing as npt
 
 from rollpipe.agent.parsers import ResponseParser
 from rollpipe.agent.records import Turn
+from rollpipe.agent.repeats import Repeats
+from rollpipe.agent.template import Render, template_renderer
 
 Packed = tuple[tuple[int, ...], "npt.NDArray[np.int64]"]
 
@@ -214,6 +216,10 @@ class ChatFormat:
     _fast_encode: Callable[[str], list[int]] | None = attrs.field(
         init=False, eq=False, repr=False, default=None
     )
+    _fast_render: Render | None = attrs.field(init=False, eq=False, repr=False, default=None)
+    # chat turns' work kept by its whole input (``rollpipe.agent.repeats``), shared by the
+    # dialogs of every episode with this format
+    repeats: Repeats = attrs.field(init=False, eq=False, repr=False, factory=Repeats)
     _parsers: dict[str, ResponseParser] = attrs.field(
         init=False, eq=False, repr=False, factory=dict
     )
@@ -237,6 +243,7 @@ class ChatFormat:
         special = set(self.tokenizer.all_special_ids)
         object.__setattr__(self, "_eot_id", first if first in special else None)
         object.__setattr__(self, "_fast_decode", fast_decoder(self.tokenizer))
+        object.__setattr__(self, "_fast_render", template_renderer(self.tokenizer))
         if self.parses_responses:
             self.response_parser(())  # a name unknown to vLLM, or unfit for the tokenizer
 
@@ -401,7 +408,11 @@ class ChatFormat:
         tools: Sequence[Mapping[str, Any]] = (),
     ) -> str:
         """``messages`` rendered by the tokenizer's chat template, with ``tools=`` (their
-        OpenAI schemas) when there are any."""
+        OpenAI schemas) when there are any (``rollpipe.agent.template``: the same text as
+        ``apply_chat_template``, cheaper)."""
+        if self._fast_render is not None:
+            shown = [template_message(m) for m in messages]
+            return self._fast_render(shown, generation_prompt, list(tools) if tools else None)
         extra = {"tools": list(tools)} if tools else {}
         text = self.tokenizer.apply_chat_template(
             [template_message(m) for m in messages],
@@ -423,8 +434,14 @@ class ChatFormat:
         ids = list(response_ids)
         if ids and self._eot_id is not None and ids[-1] == self._eot_id:
             ids.pop()
-        skip = not self.parses_responses
-        return str(self.tokenizer.decode(ids, skip_special_tokens=skip))
+        return self.decode_text(ids, skip_special_tokens=not self.parses_responses)
+
+    def decode_text(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
+        """``tokenizer.decode(ids, skip_special_tokens=...)`` (the Rust tokenizer's own
+        where that gives the same text)."""
+        if self._fast_decode is not None:
+            return str(self._fast_decode(list(ids), skip_special_tokens=skip_special_tokens))
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def response_parser(self, tools: Sequence[Mapping[str, Any]]) -> ResponseParser:
         """The :class:`ResponseParser` of ``tool_parser`` / ``reasoning_parser`` for a

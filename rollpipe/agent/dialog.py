@@ -43,13 +43,14 @@ breaks unseen after the checked turns; ``full_render=True`` sees every break.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from rollpipe.agent.actions import AssistantAction
 from rollpipe.agent.chat import ChatFormat
 from rollpipe.agent.env_returns import as_messages
 from rollpipe.agent.parsers import ResponseParser
+from rollpipe.agent.repeats import frozen_message, repeat_key, tools_key
 from rollpipe.agent.tools import ToolSet
 
 __all__ = ["CHECKED_TURNS", "Dialog"]
@@ -88,6 +89,9 @@ class Dialog:
         self._text: str | None = ""  # rendered on demand (``text``) when None
         self._text_upto = 0  # the messages ``_text`` renders
         self._head = 0  # the messages in the window's head
+        self._tools_key = tools_key(tools)  # repeats are shared by dialogs with these tools
+        # each message's (itself, frozen form, text size) by id: read once, as it joins
+        self._marks: dict[int, tuple[Mapping[str, Any], Hashable, int]] = {}
 
     @property
     def text(self) -> str:
@@ -113,11 +117,16 @@ class Dialog:
         return self.chat.encode(self.text)
 
     def act(self, response_ids: Sequence[int], turn: int) -> AssistantAction:
-        """The response as an action (the model's parsers), added to the conversation."""
-        text = self.chat.decode_for_parsing(response_ids)
-        action = (
-            AssistantAction.plain(text) if self.parser is None else self.parser.parse(text, turn)
-        )
+        """The response as an action (the model's parsers), added to the conversation. A
+        response seen before at the same turn (a group's episodes often answer alike) is
+        the same action (actions are frozen), neither decoded nor parsed again."""
+        key = ("act", self._tools_key, turn, tuple(response_ids))
+        action = self.chat.repeats.get(key)
+        if action is None:
+            text = self.chat.decode_for_parsing(response_ids)
+            parser = self.parser
+            action = AssistantAction.plain(text) if parser is None else parser.parse(text, turn)
+            self.chat.repeats.put(key, action)
         self.messages.append(action.message())
         return action
 
@@ -127,27 +136,69 @@ class Dialog:
         """The ids appended after ``response_ids`` for the env's new messages, and whether
         the template broke the prefix (see the module doc)."""
         new = as_messages(observation)
-        said = str(self.chat.tokenizer.decode(list(response_ids), skip_special_tokens=False))
         text, broke, whole = None, False, None
         window = None if self.full_render else self._window()
         if window is not None:
             try:
-                prompt = self._render(window[:-1], True)
-                text, broke, _ = self._diff(window, prompt, new, said, response_ids)
+                text, broke, _ = self._kept_diff(window, None, new, response_ids)
             except Exception:  # a template that refuses the window: render the whole
                 self.full_render, text = True, None
             if text is not None and self._checks_left > 0:
                 self._checks_left -= 1
-                checked = self._diff(self.messages, self.text, new, said, response_ids)
+                checked = self._whole_diff(new, response_ids)
                 if checked[:2] != (text, broke):  # the window renders otherwise: stop using it
                     self.full_render = True
                 text, broke, whole = checked
         if text is None:
-            text, broke, whole = self._diff(self.messages, self.text, new, said, response_ids)
+            text, broke, whole = self._whole_diff(new, response_ids)
         self.prefix_breaks += broke
         self.messages.extend(new)
         self._text, self._text_upto = whole, len(self.messages)
-        return self.chat.encode(text), broke
+        return self._encoded(text), broke
+
+    def _whole_diff(
+        self, new: Messages, response_ids: Sequence[int]
+    ) -> tuple[str, bool, str | None]:
+        """:meth:`_diff` on the whole conversation (its prompt so far: :attr:`text`)."""
+        if self._text_upto == len(self.messages) - 1:  # text renders all but the response
+            return self._kept_diff(self.messages, None, new, response_ids)
+        return self._kept_diff(self.messages, self.text, new, response_ids)
+
+    def _kept_diff(
+        self,
+        history: Messages,
+        prompt: str | None,
+        new: Messages,
+        response_ids: Sequence[int],
+    ) -> tuple[str, bool, str]:
+        """:meth:`_diff`, ``prompt`` (None: ``history[:-1]`` rendered) given or not; with
+        None, kept by its whole input in the format's :class:`Repeats` (a group's
+        episodes often take the same turn): the same result, without rendering again."""
+        key = None
+        if prompt is None:
+            frozen = [self._mark(m)[1] for m in history], [self._mark(m)[1] for m in new]
+            key = repeat_key(self._tools_key, *frozen, response_ids)
+        if key is not None:
+            known: tuple[str, bool, str] | None = self.chat.repeats.get(key)
+            if known is not None:
+                return known
+        said = self.chat.decode_text(response_ids, skip_special_tokens=False)
+        if prompt is None:
+            prompt = self._render(history[:-1], True)
+        result = self._diff(history, prompt, new, said, response_ids)
+        if key is not None:
+            self.chat.repeats.put(key, result)
+        return result
+
+    def _encoded(self, text: str) -> list[int]:
+        """``text``'s ids (kept by the text: a repeated continuation is not tokenized
+        again)."""
+        key = ("encode", text)
+        ids: tuple[int, ...] | None = self.chat.repeats.get(key)
+        if ids is None:
+            ids = tuple(self.chat.encode(text))
+            self.chat.repeats.put(key, ids)
+        return list(ids)
 
     def render_chars(self, observation: Observation) -> int:
         """The characters of message content the next prompt renders: the new messages
@@ -155,11 +206,25 @@ class Dialog:
         checked turn or without a window), each counted once. The episode renders a
         prompt this big off the event loop (``ChatConversation.renders_off_loop``)."""
         new = _chars([{"content": observation}] if isinstance(observation, str) else observation)
-        span = None if self.full_render or not self.messages else self._span()
-        if span is None or self._checks_left > 0 or span[0] != self._head:
-            return new + _chars(self.messages)
-        head, last = span
-        return new + _chars(self.messages[:head]) + _chars(self.messages[last:])
+        messages = self.messages
+        span = None if self.full_render or not messages else self._span()
+        if span is not None and self._checks_left == 0 and span[0] == self._head:
+            head, last = span
+            messages = [*messages[:head], *messages[last:]]
+        return new + sum(self._mark(m)[2] for m in messages)
+
+    def _mark(self, message: Mapping[str, Any]) -> tuple[Mapping[str, Any], Hashable, int]:
+        """``(message, its frozen form (None: not frozen, e.g. an image), its text size)``,
+        read once per message. A message is taken as it was when it joined (an env that
+        changes a message it returned, after returning it, is not seen)."""
+        mark = self._marks.get(id(message))
+        if mark is None or mark[0] is not message:
+            try:
+                frozen: Hashable = frozen_message(message)
+            except TypeError:
+                frozen = None
+            mark = self._marks[id(message)] = (message, frozen, _chars([message]))
+        return mark
 
     def _span(self) -> tuple[int, int] | None:
         """``(head, last)``: the window is ``messages[:head] + messages[last:]``; None when

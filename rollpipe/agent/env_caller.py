@@ -134,7 +134,8 @@ class EnvCaller:
         if self.timeout is None:
             return await awaitable
         try:
-            return await asyncio.wait_for(awaitable, self.timeout)
+            async with asyncio.timeout(self.timeout):  # no task of its own, as wait_for's
+                return await awaitable
         except TimeoutError:
             raise EnvTimeoutError(f"no return within {self.timeout} s") from None
 
