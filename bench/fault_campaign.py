@@ -5,7 +5,8 @@ lost, duplicated or hang.
 ``python -m bench.run --only fault_campaign``). A *run* is one pipeline on one episode
 kind — ``text`` (FrozenLake), ``tool`` (the calculator ``ToolEnv``, hermes calls) or
 ``agent`` (an ``AgentEnv`` whose ``openai`` client makes two calls through the front
-door) — and one engine: ``scripted`` (a two-rank ``EnginePool`` of ``ScriptedEngine``s:
+door) — and one engine: ``scripted`` (a two-rank ``EnginePool`` of :class:`SteppedEngine`:
+a scripted answer, one token every :data:`STEP_S`, so points find requests in flight;
 cheap, most points) or ``vllm`` (the tiny tools model on the in-process ``VLLMEngine``;
 ``--vllm-share`` of the runs). Each of its ``--batches`` batches is one *point*: a fault
 kind drawn from :data:`FAULTS` is injected at a random place in it. The run's trajectory
@@ -20,8 +21,9 @@ is timed (each waits for an event: the n-th engine request, the batch's return).
 
 The report (``bench/results/fault_campaign.json``; ``--out`` elsewhere) gives points,
 lost, duplicated, unexpected, hangs and failed checks per fault kind, per episode kind,
-per engine and per (kind, episode kind), with the command and wall time. Exit status 1 if
-any count is not 0.
+per engine and per (kind, episode kind), with the command and wall time, and per engine
+the requests, the aborted answers (regenerated) and the requests a shrink re-sent. Exit
+status 1 if any count is not 0.
 
 Adding a fault kind
 -------------------
