@@ -19,6 +19,9 @@ It reports each step on stdout, one flushed line each after the prefix ``@driver
                                     run writes (0: its first), once F of it is written:
                                     the partial file holds WRITTEN of TOTAL bytes; the
                                     driver then blocks reading stdin until it is killed)
+    holding                        (with --hold-at-end: the last batch's line is on disk;
+                                    the driver blocks before its checkpoint, so a kill
+                                    aimed earlier can never arrive after the run ended)
     done
 
 ``forked_main`` runs the same driver in a process forked from a ``multiprocessing``
@@ -142,7 +145,13 @@ def _engine(kind: str) -> tuple[Any, Any, dict[str, Any]]:
     return ScriptedEngine(policy), tokenizer, {"max_tokens": 16, "temperature": 1.0}
 
 
-def run(workdir: Path, batches: int, engine_kind: str, pause_in_write: str | None) -> None:
+def run(
+    workdir: Path,
+    batches: int,
+    engine_kind: str,
+    pause_in_write: str | None,
+    hold_at_end: bool = False,
+) -> None:
     """The driver: resume if a checkpoint exists, then make batches up to ``batches``."""
     from rollpipe.checkpoint import latest_checkpoint, load_checkpoint, save_step_checkpoint
     from rollpipe.pipeline import PipelineConfig, RolloutPipeline
@@ -176,6 +185,9 @@ def run(workdir: Path, batches: int, engine_kind: str, pause_in_write: str | Non
             digest = batch_digest(batch)
             _append(results, f"{k} {digest}")
             _say(f"batch {k} {digest}")
+            if hold_at_end and k == batches - 1:
+                _say("holding")
+                _hold()
 
             def on_chunk(written: int, total: int, k: int = k) -> None:
                 at = offset is not None and done + int(offset) == k
@@ -195,8 +207,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, required=True)
     parser.add_argument("--engine", choices=("scripted", "vllm"), default="scripted")
     parser.add_argument("--pause-in-write", metavar="O:F", default=None)
+    parser.add_argument("--hold-at-end", action="store_true")
     args = parser.parse_args(argv)
-    run(args.workdir, args.batches, args.engine, args.pause_in_write)
+    run(args.workdir, args.batches, args.engine, args.pause_in_write, args.hold_at_end)
 
 
 def forked_main(argv: Sequence[str], out: Any, err_path: str) -> None:

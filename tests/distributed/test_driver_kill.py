@@ -72,12 +72,14 @@ class Driver:
         pause: str | None = None,
         *,
         forked: bool = False,
+        hold_at_end: bool = False,
     ):
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.log = workdir / f"stderr-{len(list(workdir.glob('stderr-*')))}.log"
         argv = [str(workdir), "--batches", str(batches), "--engine", engine]
         argv += [] if pause is None else ["--pause-in-write", pause]
+        argv += ["--hold-at-end"] if hold_at_end else []
         self.proc: subprocess.Popen[str] | multiprocessing.process.BaseProcess
         if forked:
             reader, writer = FORKS.Pipe(duplex=False)
@@ -201,6 +203,8 @@ def landing(workdir: Path, killed: Driver, left_before: set[tuple[str, int, int]
     if partial:
         name, size, _ = partial.pop()
         return f"mid-write ({size} bytes of {name})"
+    if "holding" in killed.lines:
+        return "held at the end (the kill came after the run's last batch)"
     done = batch_lines(killed.lines)
     if not done:
         return "making the first batch after the resume"
@@ -228,7 +232,10 @@ def kill_and_resume(
     for i, (kind, offset, fraction) in enumerate([*plan, ("finish", 0, 0.0)]):
         lines_before, left_before = result_lines(workdir), partials(workdir)
         pause = f"{offset}:{fraction}" if kind == "write" else None
-        driver = Driver(workdir, batches, engine, pause, forked=forked)
+        # a kill aimed at a moment cannot arrive after the run ended: it holds at its end
+        driver = Driver(
+            workdir, batches, engine, pause, forked=forked, hold_at_end=kind != "finish"
+        )
         _, resumed, dropped = driver.until("start")
         k = int(resumed) + 1 + offset  # the batch (or checkpoint) to kill at
         assert kind == "finish" or k < batches, "the plan runs past the last batch"
