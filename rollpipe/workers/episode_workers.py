@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
@@ -210,17 +211,17 @@ class EpisodeWorkers:
         loop = asyncio.get_running_loop()
         for message in mail:
             if isinstance(message, Request):
-                task = loop.create_task(self._serve(link, message))
-                self._serving[link.slot, message.req] = task
-                task.add_done_callback(lambda _, k=(link.slot, message.req): self._served(k))
+                key = (link.slot, message.req)
+                self._serving[key] = loop.create_task(self._serve(link, message))
+                self._serving[key].add_done_callback(functools.partial(self._served, key))
             elif isinstance(message, Abandon):
-                task = self._serving.get((link.slot, message.req))
-                if task is not None:
-                    task.cancel()
+                serving = self._serving.get((link.slot, message.req))
+                if serving is not None:
+                    serving.cancel()
             elif isinstance(message, Finished):
                 self._finished(link, message)
 
-    def _served(self, key: tuple[int, int]) -> None:
+    def _served(self, key: tuple[int, int], task: asyncio.Task[None]) -> None:
         self._serving.pop(key, None)
 
     def _finished(self, link: WorkerLink, message: Finished) -> None:
@@ -240,13 +241,12 @@ class EpisodeWorkers:
         try:
             if self.admit is not None:
                 await self.admit()
-            kwargs = {"images": request.images} if request.images else {}
-            if route is None:
+            # engines written before images keep working: the keyword only when used
+            kwargs: dict[str, Any] = {"images": request.images} if request.images else {}
+            with in_route(route) if route is not None else contextlib.nullcontext():
+                # awaited inside: the pool reads the route in the request's own task
                 call = self.engine.generate(request.prompt, request.params, **kwargs)
-            else:
-                with in_route(route):  # the pool reads the route when the call is made
-                    call = self.engine.generate(request.prompt, request.params, **kwargs)
-            gen = await answer_within(self.engine, call, self.limit)
+                gen = await answer_within(self.engine, call, self.limit)
         except asyncio.CancelledError:
             raise
         except Exception as error:

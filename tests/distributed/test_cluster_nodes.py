@@ -279,3 +279,39 @@ def test_an_env_node_lost_mid_batch_fails_its_episodes_and_replaces_their_groups
     assert live and set(live) == {str(replacement.node_id)} and lost not in live
     done = [t.traj_id for t in seen if t.end_reason != "error"]
     assert len(done) == len(set(done))  # no trajectory came out twice
+
+
+def test_episode_workers_on_a_lost_node_are_replaced_and_their_episodes_run_again(
+    nodes: Nodes, pool: EnginePool, tokenizer: Any
+) -> None:
+    """Episode workers (``rollpipe.workers``) on a node of their own, the engines on
+    theirs: the workers' node killed mid-batch, a new one added; the slots' new workers
+    start there, the episodes they were running run again from their specs, and the batch
+    is whole with no error and each trajectory once (docs/episode-workers.md)."""
+    nodes.add("workers", num_cpus=2)
+    placed = {"resources": {"workers": 0.01}, "num_cpus": 0.5}
+    config = CONFIG.replace(
+        rollout={"concurrency": 4, "episode_workers": 2, "worker_options": placed}
+    )
+    seen: list[Any] = []
+    hooks = {"rollout": lambda node: Mapper(node, lambda t: seen.append(t) or t)}
+    with RolloutPipeline(config, pool, tokenizer, hooks=hooks) as pipe:
+        workers = pipe.nodes.rollout.workers
+        check_complete(pipe.get_batch())
+        lost = nodes.id("workers")
+        assert [node_of(actor) for actor in workers.actors] == [lost, lost]
+        thread, out = batch_in_thread(pipe)
+        wait_until(
+            lambda: requests_on(pool) and any(link.running for link in workers._links),
+            DEADLINE_S,
+            "episodes running on the workers, generating",
+        )
+        nodes.kill("workers")
+        replacement = nodes.add("workers", num_cpus=2)
+        batch = finished(thread, out)
+        check_complete(batch)
+        assert workers.replaced == 2 and workers.reruns >= 1
+        assert [node_of(actor) for actor in workers.actors] == [str(replacement.node_id)] * 2
+    assert [t.end_reason for t in seen].count("error") == 0
+    ids = [t.traj_id for t in seen]
+    assert len(ids) == len(set(ids))  # a re-run episode came out once

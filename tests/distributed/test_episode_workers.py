@@ -10,9 +10,11 @@ driver.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,7 +54,7 @@ def frozenlake_config(workers: int, **kw: Any) -> PipelineConfig:
     settings: dict[str, Any] = {
         "group_size": 2,
         "batch_size": 4,
-        "num_groups": 64,  # more than the runs take: collection goes on between batches
+        "num_groups": 64,
         "max_turns": 3,
         "rollout": {"episode_workers": workers, "concurrency": 4},
     }
@@ -74,6 +76,17 @@ def assert_same_rows(a: DataProto, b: DataProto) -> None:
     assert a.non_tensor_batch.keys() == b.non_tensor_batch.keys()
     for key, column in a.non_tensor_batch.items():
         assert column.tolist() == b.non_tensor_batch[key].tolist(), key
+
+
+@contextlib.contextmanager
+def next_batch_in_thread(pipe: RolloutPipeline) -> Iterator[list[DataProto]]:
+    """``get_batch()`` on a thread while the block runs; its batch in the list after."""
+    got: list[DataProto] = []
+    thread = threading.Thread(target=lambda: got.append(pipe.get_batch()), daemon=True)
+    thread.start()
+    yield got
+    thread.join(DEADLINE_S)
+    assert got, "get_batch() on the thread did not return"
 
 
 @pytest.fixture(scope="module")
@@ -123,16 +136,15 @@ def weights(tiny_model_path: Path) -> dict[str, torch.Tensor]:
 def test_suspend_and_a_weight_update_with_workers(
     mode: str, vllm_engine: Any, tokenizer: Any, weights: dict[str, torch.Tensor]
 ) -> None:
-    config = frozenlake_config(2)
-    with RolloutPipeline(config, vllm_engine, tokenizer) as pipe:
+    with RolloutPipeline(frozenlake_config(2), vllm_engine, tokenizer) as pipe:
         first = pipe.get_batch()
         workers = pipe.nodes.rollout.workers
-        # collection goes on between batches (4 in flight, 16 buffered at most): requests
-        # are under way on the workers when the suspend comes
-        wait_until(lambda: workers._serving, DEADLINE_S, "requests in flight")
-        with pipe.suspended(mode):  # type: ignore[arg-type]
-            version = pipe.update_weights(weights)
-        after = [pipe.get_batch() for _ in range(2)]
+        with next_batch_in_thread(pipe) as second:
+            # the suspend comes while the next batch's requests are under way on the workers
+            wait_until(lambda: workers._serving, DEADLINE_S, "requests in flight")
+            with pipe.suspended(mode):  # type: ignore[arg-type]
+                version = pipe.update_weights(weights)
+        after = [second[0], pipe.get_batch()]
     ids = [i for b in (first, *after) for i in b.batch["traj_id"].tolist()]
     assert len(ids) == len(set(ids)) == 12  # nothing lost or duplicated
     newest = max(int(b.batch["policy_versions"].max()) for b in after)
@@ -145,16 +157,17 @@ def test_a_killed_worker_is_replaced_and_its_episodes_run_again(
     with RolloutPipeline(frozenlake_config(2), vllm_engine, tokenizer) as pipe:
         assert_same_rows(reference[0], pipe.get_batch())
         workers = pipe.nodes.rollout.workers
-        victim = wait_until(
-            lambda: next((link for link in workers._links if link.running), None),
-            DEADLINE_S,
-            "a worker running episodes",
-        )
-        running = len(victim.running)
-        ray.kill(victim.actor, no_restart=True)
-        rest = [pipe.get_batch(), pipe.get_batch()]
+        with next_batch_in_thread(pipe) as second:
+            victim = wait_until(
+                lambda: next((link for link in workers._links if link.running), None),
+                DEADLINE_S,
+                "a worker running episodes",
+            )
+            running = len(victim.running)
+            ray.kill(victim.actor, no_restart=True)
+        rest = [second[0], pipe.get_batch()]
         assert workers.replaced == 1
-        assert workers.reruns >= 1 and workers.reruns <= running
+        assert 1 <= workers.reruns <= running
     for a, b in zip(reference[1:], rest, strict=True):
         assert_same_rows(a, b)  # the re-run episodes are the same episodes
 
@@ -237,3 +250,27 @@ def test_agents_run_on_the_workers_with_their_own_front_door(
     # each agent's two calls became one row of exact ids, scored by the agent
     assert batch.batch["scores"].sum(-1).tolist() == [1.0] * 4
     assert int(batch.batch["response_mask"].sum()) > 0
+
+
+def test_an_engine_pool_keeps_each_worker_episode_on_one_rank(tokenizer: Any) -> None:
+    """Routing stays the driver's: every request of an episode run on a worker goes to the
+    rank its first went to (the route's rank travels with each request and answer). The
+    pool's ranks are scripted engines: the test is about routing, not generation."""
+    from rollpipe.engines.pool import EnginePool
+    from rollpipe.engines.scripted import ScriptedEngine
+
+    answer = tokenizer("Up", add_special_tokens=False)["input_ids"]
+    with (
+        EnginePool(lambda rank: ScriptedEngine(lambda p, s: answer), 2) as pool,
+        RolloutPipeline(frozenlake_config(2), pool, tokenizer) as pipe,
+    ):
+        batch = pipe.get_batch()
+        log = list(pool.routing_log)
+    ranks: dict[Any, set[int]] = {}
+    for key, rank in log:
+        ranks.setdefault(key, set()).add(rank)
+    assert len(batch) == 4 and None not in ranks  # every request carried its route
+    assert len(ranks) >= 4 and all(len(r) == 1 for r in ranks.values())
+    assert {r for rs in ranks.values() for r in rs} == {0, 1}  # both ranks served
+    turns = sum(1 for _ in log)
+    assert turns > len(ranks)  # episodes of several turns, each kept on its rank
