@@ -1,23 +1,33 @@
-"""Benchmark: rollpipe's CPU per tool turn against a text turn (issue 24).
+"""Benchmark: rollpipe's CPU per tool turn against a text turn (issues 24, 38).
 
 The method is ``turn_cost.py``'s: a ``ScriptedEngine`` answers every request at once
 with a fixed response, so all the CPU spent is rollpipe's; figures are process CPU time
 (``time.process_time``) over one ``get_batch`` of ``EPISODES`` episodes, divided by the
-turns taken. Both runs use the tiny tools model's tokenizer and template, episodes never
+turns taken. Both arms use the tiny tools model's tokenizer and template, episodes never
 end before ``T`` turns, and each turn sends about the same tokens:
 
-* **tool turn** (``EchoTools``, a ``ToolEnv`` with one ``echo`` tool): the response is a
-  hermes call (``<tool_call>{"name": "echo", ...}</tool_call>``), read by vLLM's
-  ``hermes`` parser (``tool_parser="hermes"``), checked against the tool's schema, run on
-  the env's worker thread under its time limit, and answered with a ``tool`` message the
-  dialog renders by a template diff;
+* **tool turn** (``EchoTools``, a ``ToolEnv`` with one ``echo`` tool, declared
+  ``blocking = False``: it runs inline): the response is a hermes call
+  (``<tool_call>{"name": "echo", ...}</tool_call>``), read by vLLM's ``hermes`` parser
+  (``tool_parser="hermes"``), checked against the tool's schema, run, and answered with a
+  ``tool`` message the dialog renders by a template diff;
 * **text turn** (``EchoText``, a plain text env): the same response text, decoded and
   answered inline with the same words as a user turn.
 
-Figures: ``tool_turn_cpu_us_{T}turns`` and ``text_turn_cpu_us_{T}turns`` (µs per turn at
-``T`` = 8, 32 and 128 turns), ``tool_turn_overhead_us_{T}turns`` (their difference) and
-``tool_turn_cpu_128_over_32`` (the tool turn's cost per turn at 128 turns ÷ at 32: issue
-28's target is ≤ 1.2, a cost that does not grow with the history).
+The episodes of a run repeat one another (one task, one response), as a group's often
+do: the text arm's continuation comes from its per-observation cache, the tool arm's
+render diff, encoding and parse from the dialog's repeats (``rollpipe.agent.repeats``).
+The **fresh** arms (``EchoToolsFresh``, ``EchoTextFresh``) answer every turn of every
+episode with a result (an observation) of its own, so neither is ever cached: each
+turn renders and tokenizes.
+
+Figures (the two arms of a pair run one after the other, alternating, each repeat):
+``tool_turn_cpu_us_{T}turns`` and ``text_turn_cpu_us_{T}turns`` (µs per turn at ``T`` =
+8, 32 and 128 turns), ``tool_over_text_{T}turns`` (the median of the per-repeat ratios:
+issue 38's target is ≤ 2), ``tool_turn_overhead_us_{T}turns`` (their difference),
+``tool_turn_cpu_128_over_32`` (issue 28's target ≤ 1.2: a cost that does not grow with
+the history); ``{tool,text}_turn_fresh_cpu_us_32turns`` and ``tool_over_text_fresh_32turns``
+for the fresh arms.
 
 The run holds torch to one intra-op thread (restored after), as ``turn_cost.py`` does:
 the figures are what one core does (collation's tensor fills otherwise spin OpenMP
@@ -26,6 +36,7 @@ threads on a busy machine).
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from typing import Any
@@ -64,6 +75,32 @@ def EchoTools() -> ToolEnv:
     )
 
 
+_FRESH = itertools.count()
+
+
+def echo_fresh(text: str) -> str:
+    """Repeat the text, with a number no other call gets.
+
+    Args:
+        text: what to repeat
+    """
+    return f"{text} {next(_FRESH)}"
+
+
+echo_fresh.__name__ = "echo"  # the call the scripted response makes
+echo_fresh.blocking = False  # type: ignore[attr-defined]
+
+
+def EchoToolsFresh() -> ToolEnv:
+    """``EchoTools`` whose every result is new: nothing a turn renders was seen before."""
+    return ToolEnv(
+        lambda seed: (f"Echo '{WORDS}' with the tool.", WORDS),
+        [echo_fresh],
+        lambda answer, truth: 0.0,
+        max_tool_turns=10**6,
+    )
+
+
 class EchoText:
     """A text env that never ends: every action is answered with the echoed words."""
 
@@ -79,11 +116,21 @@ class EchoText:
         return None
 
 
-def _one_run(tokenizer: Any, tools: bool, turns: int) -> float:
+class EchoTextFresh(EchoText):
+    """``EchoText`` whose every observation is new (never cached)."""
+
+    blocking = False
+
+    def step(self, action_text: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        return f"[tool echo] {WORDS} {next(_FRESH)}", 0.0, False, False, {"action_valid": True}
+
+
+def _one_run(tokenizer: Any, tools: bool, turns: int, fresh: bool = False) -> float:
     """CPU µs per turn of one batch of :data:`EPISODES` episodes of ``turns`` turns."""
     response = tokenizer(CALL + "<|im_end|>", add_special_tokens=False)["input_ids"]
+    env = ("EchoTools" if tools else "EchoText") + ("Fresh" if fresh else "")
     config = PipelineConfig(
-        envs="bench.tool_turn:EchoTools" if tools else "bench.tool_turn:EchoText",
+        envs=f"bench.tool_turn:{env}",
         group_size=1,
         num_groups=EPISODES,
         batch_size=EPISODES,
@@ -112,6 +159,16 @@ def run(ctx: BenchContext) -> Figures:
         return _run(ctx)
 
 
+def _pair(tokenizer: Any, turns: int, repeats: int, fresh: bool) -> tuple[float, float, float]:
+    """(tool µs, text µs, median of the per-repeat tool ÷ text ratios): the two arms run
+    one after the other in each repeat, so a ratio compares runs seconds apart."""
+    tool, text = [], []
+    for _ in range(repeats):
+        tool.append(_one_run(tokenizer, True, turns, fresh))
+        text.append(_one_run(tokenizer, False, turns, fresh))
+    return median(tool), median(text), median([a / b for a, b in zip(tool, text, strict=True)])
+
+
 def _run(ctx: BenchContext) -> Figures:
     from transformers import AutoTokenizer
 
@@ -119,14 +176,23 @@ def _run(ctx: BenchContext) -> Figures:
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path(tools=True))
     repeats = ctx.repeats_for(3)
+    _one_run(tokenizer, True, 8), _one_run(tokenizer, False, 8)  # warm: imports, parsers
     out: Figures = {}
     for turns in ctx.size(smoke=(8,), quick=(8, 32, 128), full=(8, 32, 128)):
-        for kind, tools in (("tool", True), ("text", False)):
-            runs = [_one_run(tokenizer, tools, turns) for _ in range(repeats)]
-            out[f"{kind}_turn_cpu_us_{turns}turns"] = rounded(median(runs), 1)
-        tool, text = out[f"tool_turn_cpu_us_{turns}turns"], out[f"text_turn_cpu_us_{turns}turns"]
-        out[f"tool_turn_overhead_us_{turns}turns"] = rounded(float(tool) - float(text), 1)
-        ctx.log(f"  {turns} turns: tool {tool} µs/turn, text {text} µs/turn")
+        tool, text, ratio = _pair(tokenizer, turns, repeats, fresh=False)
+        out[f"tool_turn_cpu_us_{turns}turns"] = rounded(tool, 1)
+        out[f"text_turn_cpu_us_{turns}turns"] = rounded(text, 1)
+        out[f"tool_over_text_{turns}turns"] = rounded(ratio, 2)
+        out[f"tool_turn_overhead_us_{turns}turns"] = rounded(tool - text, 1)
+        ctx.log(f"  {turns} turns: tool {tool:.0f} µs/turn, text {text:.0f}, ratio {ratio:.2f}")
+    fresh_turns = 8 if ctx.smoke else 32
+    tool, text, ratio = _pair(tokenizer, fresh_turns, repeats, fresh=True)
+    out[f"tool_turn_fresh_cpu_us_{fresh_turns}turns"] = rounded(tool, 1)
+    out[f"text_turn_fresh_cpu_us_{fresh_turns}turns"] = rounded(text, 1)
+    out[f"tool_over_text_fresh_{fresh_turns}turns"] = rounded(ratio, 2)
+    ctx.log(
+        f"  fresh, {fresh_turns} turns: tool {tool:.0f} µs/turn, text {text:.0f}, ratio {ratio:.2f}"
+    )
     if "tool_turn_cpu_us_128turns" in out:
         ratio = float(out["tool_turn_cpu_us_128turns"]) / float(out["tool_turn_cpu_us_32turns"])
         out["tool_turn_cpu_128_over_32"] = rounded(ratio, 2)

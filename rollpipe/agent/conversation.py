@@ -314,10 +314,11 @@ class ChatConversation(Conversation):
         assert dialog is not None, "ChatConversation.prompt needs the episode's tools"
         if not self.turns:
             added, broke = dialog.first_prompt(observation), False
+            packed = np.fromiter(added, np.int64, len(added))
         else:
-            added, broke = dialog.continuation(observation, self.turns[-1].response_ids)
+            response = self.turns[-1].response_ids
+            (added, packed), broke = dialog.packed_continuation(observation, response)
         self.prefix_breaks += broke
-        packed = np.fromiter(added, np.int64, len(added))
         self.context.extend_packed(added, packed)
         return self.context.view(), added, packed, broke
 
@@ -327,7 +328,8 @@ class ChatConversation(Conversation):
         result is rendered and tokenized on the episode's env thread, not on the loop
         that serves every episode."""
         dialog = self.dialog
-        return dialog is not None and dialog.render_chars(observation) >= OFF_LOOP_CHARS
+        limit = OFF_LOOP_CHARS
+        return dialog is not None and dialog.render_chars(observation, limit) >= limit
 
     def read(self, response_ids: Sequence[int]) -> tuple[str, AssistantAction]:
         """The response parsed by the model's parsers into an action, added to the

@@ -47,7 +47,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from rollpipe.agent.actions import AssistantAction
-from rollpipe.agent.chat import ChatFormat
+from rollpipe.agent.chat import ChatFormat, Packed, packed
 from rollpipe.agent.env_returns import as_messages
 from rollpipe.agent.parsers import ResponseParser
 from rollpipe.agent.repeats import frozen_message, repeat_key, tools_key
@@ -92,6 +92,8 @@ class Dialog:
         self._tools_key = tools_key(tools)  # repeats are shared by dialogs with these tools
         # each message's (itself, frozen form, text size) by id: read once, as it joins
         self._marks: dict[int, tuple[Mapping[str, Any], Hashable, int]] = {}
+        self._chars_seen = 0  # the text of every message marked (>= of those it holds)
+        self._marked(self.messages)
 
     @property
     def text(self) -> str:
@@ -112,7 +114,7 @@ class Dialog:
 
     def first_prompt(self, observation: Observation) -> list[int]:
         """Turn 0: system message, the env's first messages, the generation prompt."""
-        self.messages.extend(as_messages(observation))
+        self.messages.extend(self._joined(as_messages(observation)))
         self.text = self._render(self.messages, True)
         return self.chat.encode(self.text)
 
@@ -127,7 +129,7 @@ class Dialog:
             parser = self.parser
             action = AssistantAction.plain(text) if parser is None else parser.parse(text, turn)
             self.chat.repeats.put(key, action)
-        self.messages.append(action.message())
+        self.messages.extend(self._joined([action.message()]))
         return action
 
     def continuation(
@@ -135,6 +137,15 @@ class Dialog:
     ) -> tuple[list[int], bool]:
         """The ids appended after ``response_ids`` for the env's new messages, and whether
         the template broke the prefix (see the module doc)."""
+        (ids, _), broke = self.packed_continuation(observation, response_ids)
+        return list(ids), broke
+
+    def packed_continuation(
+        self, observation: Observation, response_ids: Sequence[int]
+    ) -> tuple[Packed, bool]:
+        """:meth:`continuation`'s ids as a tuple and a read-only int64 array (kept with
+        the text they encode: a repeated continuation is neither tokenized nor packed
+        again), and the break."""
         new = as_messages(observation)
         text, broke, whole = None, False, None
         window = None if self.full_render else self._window()
@@ -152,7 +163,7 @@ class Dialog:
         if text is None:
             text, broke, whole = self._whole_diff(new, response_ids)
         self.prefix_breaks += broke
-        self.messages.extend(new)
+        self.messages.extend(self._joined(new))
         self._text, self._text_upto = whole, len(self.messages)
         return self._encoded(text), broke
 
@@ -176,7 +187,7 @@ class Dialog:
         episodes often take the same turn): the same result, without rendering again."""
         key = None
         if prompt is None:
-            frozen = [self._mark(m)[1] for m in history], [self._mark(m)[1] for m in new]
+            frozen = [m[1] for m in self._marked(history)], [m[1] for m in self._marked(new)]
             key = repeat_key(self._tools_key, *frozen, response_ids)
         if key is not None:
             known: tuple[str, bool, str] | None = self.chat.repeats.get(key)
@@ -190,40 +201,57 @@ class Dialog:
             self.chat.repeats.put(key, result)
         return result
 
-    def _encoded(self, text: str) -> list[int]:
-        """``text``'s ids (kept by the text: a repeated continuation is not tokenized
-        again)."""
+    def _encoded(self, text: str) -> Packed:
+        """``text``'s ids and those packed (kept by the text)."""
         key = ("encode", text)
-        ids: tuple[int, ...] | None = self.chat.repeats.get(key)
-        if ids is None:
-            ids = tuple(self.chat.encode(text))
-            self.chat.repeats.put(key, ids)
-        return list(ids)
+        found: Packed | None = self.chat.repeats.get(key)
+        if found is None:
+            found = packed(tuple(self.chat.encode(text)))
+            self.chat.repeats.put(key, found)
+        return found
 
-    def render_chars(self, observation: Observation) -> int:
+    def render_chars(self, observation: Observation, limit: int = 0) -> int:
         """The characters of message content the next prompt renders: the new messages
         and what they are rendered after (the window, or the whole conversation on a
         checked turn or without a window), each counted once. The episode renders a
-        prompt this big off the event loop (``ChatConversation.renders_off_loop``)."""
+        prompt this big off the event loop (``ChatConversation.renders_off_loop``). Below
+        ``limit``, the count may be of all messages (cheaper than finding the window)."""
         new = _chars([{"content": observation}] if isinstance(observation, str) else observation)
         messages = self.messages
+        if new + self._chars_seen < limit:  # all of it is less: no need to find the window
+            return new + self._chars_seen
         span = None if self.full_render or not messages else self._span()
         if span is not None and self._checks_left == 0 and span[0] == self._head:
             head, last = span
             messages = [*messages[:head], *messages[last:]]
-        return new + sum(self._mark(m)[2] for m in messages)
+        return new + sum(mark[2] for mark in self._marked(messages))
+
+    def _joined(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``messages``, marked as they join the conversation (their text counted)."""
+        self._marked(messages)
+        return messages
+
+    def _marked(self, messages: Messages) -> list[tuple[Mapping[str, Any], Hashable, int]]:
+        """:meth:`_mark` of each of ``messages`` (inlined: a turn reads a dozen)."""
+        marks, out = self._marks, []
+        for message in messages:
+            mark = marks.get(id(message))
+            out.append(mark if mark is not None and mark[0] is message else self._mark(message))
+        return out
 
     def _mark(self, message: Mapping[str, Any]) -> tuple[Mapping[str, Any], Hashable, int]:
-        """``(message, its frozen form (None: not frozen, e.g. an image), its text size)``,
+        """``(message, its frozen form's number (None: not frozen, e.g. an image), its text
+        size)``,
         read once per message. A message is taken as it was when it joined (an env that
         changes a message it returned, after returning it, is not seen)."""
         mark = self._marks.get(id(message))
         if mark is None or mark[0] is not message:
             try:
-                frozen: Hashable = frozen_message(message)
+                frozen: Hashable = self.chat.repeats.number(frozen_message(message))
             except TypeError:
                 frozen = None
             mark = self._marks[id(message)] = (message, frozen, _chars([message]))
+            self._chars_seen += mark[2]
         return mark
 
     def _span(self) -> tuple[int, int] | None:

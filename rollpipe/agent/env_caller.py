@@ -5,14 +5,13 @@ call limited in time and its return checked; a failure of any kind becomes ``Env
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import inspect
 import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
-
-import attrs
 
 from rollpipe.agent.env_contract import is_blocking
 from rollpipe.agent.env_errors import EnvFailed
@@ -117,7 +116,11 @@ class EnvCaller:
             raise EnvFailed(exc, self.where("tool_runner.run", turn)) from exc
         finally:
             self.clock.env += time.perf_counter() - start
-        return attrs.evolve(action, tool_results=results)
+        # the action with its results: a copy with that one field set (attrs.evolve would
+        # check and convert every field again: ~10 µs a turn)
+        done = copy.copy(action)
+        object.__setattr__(done, "tool_results", results)
+        return done
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the episode's env threads, the loop serving every other

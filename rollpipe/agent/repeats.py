@@ -28,6 +28,7 @@ Examples:
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
@@ -43,6 +44,19 @@ class Repeats:
     def __init__(self, size: int = REPEATS_SIZE) -> None:
         self.size = size
         self._store: dict[Hashable, Any] = {}
+        self._numbers: dict[Hashable, int] = {}
+        self._next = itertools.count(1)
+
+    def number(self, frozen: Hashable) -> int:
+        """A number for a frozen message: equal messages get equal numbers, and a number
+        is never given to another message (numbers are not reused when the store is
+        emptied), so keys of numbers are exact and cheap to hash."""
+        found = self._numbers.get(frozen)
+        if found is None:
+            if len(self._numbers) >= self.size:
+                self._numbers.clear()
+            found = self._numbers[frozen] = next(self._next)
+        return found
 
     def get(self, key: Hashable) -> Any:
         """The result kept under ``key``, or None."""

@@ -252,10 +252,11 @@ class ToolRunner:
         """``(kind, message text, images, cut)`` of one call; kind is ``"calls"`` when it
         ran fine. A blocking tool's result is also made into its message text (JSON,
         cut) on its thread: a huge result costs only its own episode."""
-        problem = self._problem(call)
+        kwargs = call.kwargs
+        problem = self._problem(call, kwargs)
         if problem is not None:
             return problem
-        fn, kwargs, name = self.tools.functions[call.name], call.kwargs, call.name
+        fn, name = self.tools.functions[call.name], call.name
         limit = self.max_result_chars
         try:
             if inspect.iscoroutinefunction(fn):
@@ -274,19 +275,18 @@ class ToolRunner:
         except Exception as exc:  # the tool's failure is the model's observation
             return _failed("errors", f"error: {name} raised {type(exc).__name__}: {exc}")
 
-    def _problem(self, call: ToolCall) -> Shown | None:
-        """The ``malformed`` (or ``errors``: nothing to run) outcome of a call that cannot
-        run as written, else None."""
+    def _problem(self, call: ToolCall, kwargs: dict[str, Any]) -> Shown | None:
+        """The ``malformed`` (or ``errors``: nothing to run) outcome of a call with
+        ``kwargs`` that cannot run as written, else None."""
         if call.name not in self.tools.names:
             known = ", ".join(self.tools.names) or "none"
             unknown = f"error: unknown tool {call.name!r}; the tools are: {known}"
             return _failed("malformed", unknown)
         if call.error is not None:
             return _failed("malformed", f"error: {call.name}: {call.error}")
-        kwargs = call.kwargs
         problem = argument_problem(self.tools.parameters(call.name), kwargs)
         fn = self.tools.functions.get(call.name)
-        if problem is None and fn is not None:
+        if problem is None and fn is not None and call.name not in self.tools.bound_by_schema:
             try:
                 self.tools.signature(call.name).bind(**kwargs)
             except TypeError as exc:

@@ -39,6 +39,31 @@ def runs_inline(fn: Callable[..., Any]) -> bool:
     return getattr(fn, "blocking", True) is False and not inspect.iscoroutinefunction(fn)
 
 
+def _binds_by_schema(schema: Mapping[str, Any], functions: Mapping[str, Any]) -> bool:
+    """Whether every argument set the schema accepts binds to the callable: its
+    parameters are all named ones (no ``*args``, ``**kwargs`` or positional-only), the
+    schema's properties are exactly their names, its required ones exactly those without
+    a default, and it takes no other names (``additionalProperties`` unset or false)."""
+    function = schema["function"]
+    fn = functions.get(function["name"])
+    parameters = function.get("parameters", {})
+    if fn is None or parameters.get("additionalProperties", False) is not False:
+        return False
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return False
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    params = signature.parameters.values()
+    if any(p.kind not in named for p in params):
+        return False
+    needed = {p.name for p in params if p.default is inspect.Parameter.empty}
+    return (
+        set(parameters.get("properties", {}) or {}) == {p.name for p in params}
+        and set(parameters.get("required", []) or []) == needed
+    )
+
+
 def _schema_of_callable(fn: Callable[..., Any]) -> dict[str, Any]:
     from transformers.utils import get_json_schema
 
@@ -117,6 +142,11 @@ class ToolSet:
         self._parameters = {s["function"]["name"]: s["function"]["parameters"] for s in schemas}
         self.inline = frozenset(n for n, fn in self.functions.items() if runs_inline(fn))
         """The names of the tools that run inline (:func:`runs_inline`)."""
+        self.bound_by_schema = frozenset(
+            s["function"]["name"] for s in schemas if _binds_by_schema(s, self.functions)
+        )
+        """The tools whose schema says all their signature does: arguments that pass the
+        schema's check (required names present, no others) bind to it."""
         self._signatures: dict[str, inspect.Signature] = {}
 
     def signature(self, name: str) -> inspect.Signature:
