@@ -137,6 +137,8 @@ def _run(ctx: BenchContext) -> Figures:
     last = workers[-1]
     ratio = float(out[f"agent_calls_per_s_{last}w"]) / float(out["agent_calls_per_s_0w"])
     out[f"agent_calls_per_s_{last}w_over_0w"] = rounded(ratio, 2)
-    ctx.log(f"  {agents} agents: calls/s 0w {out['agent_calls_per_s_0w']}, {last}w "
-            f"{out[f'agent_calls_per_s_{last}w']}")
+    ctx.log(
+        f"  {agents} agents: calls/s 0w {out['agent_calls_per_s_0w']}, {last}w "
+        f"{out[f'agent_calls_per_s_{last}w']}"
+    )
     return out

@@ -53,6 +53,7 @@ BENCHMARKS = (
     "fault_campaign",
     "node_loss",
     "weight_sync",
+    "episode_workers",
 )
 NEEDS_ENGINE = {
     "efficiency",
@@ -224,6 +225,34 @@ SUMMARY = (
         "pipeline_image_turns_per_s",
         "—",
         "{:.1f}",
+    ),
+    (
+        "18",
+        "Driver CPU per text turn, 2 episode workers ÷ 0",
+        "driver_cpu_text_2w_over_0w",
+        "—",
+        "{:.2f}×",
+    ),
+    (
+        "18",
+        "Driver CPU per tool turn, 2 episode workers ÷ 0",
+        "driver_cpu_tool_2w_over_0w",
+        "—",
+        "{:.2f}×",
+    ),
+    (
+        "18",
+        "Driver CPU per agent call, 2 episode workers ÷ 0",
+        "driver_cpu_agent_2w_over_0w",
+        "—",
+        "{:.2f}×",
+    ),
+    (
+        "18",
+        "256 agents: calls/s on 2 workers ÷ in-process",
+        "agent_calls_per_s_2w_over_0w",
+        "—",
+        "{:.2f}×",
     ),
     ("16", "Node lost mid-batch: batch time ÷ without", "node_loss_ratio", "—", "{:.2f}×"),
     ("16", "Node lost mid-batch: death to batch", "node_loss_death_to_batch_s", "—", "{:.1f} s"),
