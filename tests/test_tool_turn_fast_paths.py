@@ -1,0 +1,228 @@
+"""The tool turn's fast paths give what the slow paths give, for any input (issue 38).
+
+* ``rollpipe.agent.template``'s render equals ``apply_chat_template`` on both tiny
+  templates (the tools one renders tool calls and results), tools or none;
+* a message's frozen form (``rollpipe.agent.repeats``) is equal to another's exactly when
+  the messages are equal with the same types throughout (``1``, ``1.0`` and ``True``
+  differ: a template renders them differently);
+* a dialog whose turns are kept (``ChatFormat.repeats``, shared by every dialog of a
+  format) gives the ids a dialog on a fresh format (nothing kept) gives;
+* a tool whose schema says all its signature does (``ToolSet.bound_by_schema``) binds
+  every argument set the schema check lets through, so skipping ``inspect``'s bind
+  changes nothing.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tool_support import tools_model_path
+
+from rollpipe.agent.chat import ChatFormat, template_message
+from rollpipe.agent.dialog import Dialog
+from rollpipe.agent.repeats import frozen_message
+from rollpipe.agent.template import template_renderer
+from rollpipe.agent.tool_runner import argument_problem
+from rollpipe.agent.tools import ToolSet
+from rollpipe.training.tiny_model import default_model_path
+
+TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40)
+ARGS = st.dictionaries(
+    st.sampled_from(["a", "b", "text"]), st.one_of(st.integers(-9, 9), TEXT, st.booleans())
+)
+
+
+def add(a: int, b: int = 0) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return a + b
+
+
+def echo(text: str) -> str:
+    """Repeat the text.
+
+    Args:
+        text: what to repeat
+    """
+    return text
+
+
+@pytest.fixture(scope="module")
+def tokenizers() -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    return {
+        "tiny": AutoTokenizer.from_pretrained(str(default_model_path())),
+        "tools": AutoTokenizer.from_pretrained(str(tools_model_path())),
+    }
+
+
+def call_message(name: str, arguments: dict[str, Any], i: int) -> dict[str, Any]:
+    function = {"name": name, "arguments": json.dumps(arguments)}
+    return {"id": f"call_{i}", "type": "function", "function": function}
+
+
+@st.composite
+def conversations(draw: Any) -> list[dict[str, Any]]:
+    """A system message or none, then user / assistant (content, tool calls) / tool turns."""
+    messages: list[dict[str, Any]] = []
+    if draw(st.booleans()):
+        messages.append({"role": "system", "content": draw(TEXT)})
+    for i in range(draw(st.integers(1, 6))):
+        kind = draw(st.sampled_from(["user", "assistant", "calls", "tool"]))
+        if kind == "calls":
+            calls = [call_message(draw(st.sampled_from(["add", "echo"])), draw(ARGS), i)]
+            messages.append({"role": "assistant", "content": draw(TEXT), "tool_calls": calls})
+        elif kind == "tool":
+            messages.append(
+                {"role": "tool", "tool_call_id": f"call_{i}", "name": "echo", "content": draw(TEXT)}
+            )
+        else:
+            messages.append({"role": kind, "content": draw(TEXT)})
+    return messages
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    which=st.sampled_from(["tiny", "tools"]),
+    messages=conversations(),
+    generation_prompt=st.booleans(),
+    with_tools=st.booleans(),
+)
+def test_the_template_render_equals_apply_chat_template(
+    tokenizers: dict[str, Any],
+    which: str,
+    messages: list[dict[str, Any]],
+    generation_prompt: bool,
+    with_tools: bool,
+) -> None:
+    tokenizer = tokenizers[which]
+    render = template_renderer(tokenizer)
+    assert render is not None  # both tiny tokenizers take the fast render
+    tools = list(ToolSet([add, echo]).schemas) if with_tools else None
+    shown = [template_message(m) for m in messages]
+    slow = tokenizer.apply_chat_template(
+        shown, tokenize=False, add_generation_prompt=generation_prompt, tools=tools
+    )
+    assert render(shown, generation_prompt, tools) == slow
+
+
+SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(-3, 3), st.floats(-2, 2, allow_nan=False), TEXT
+)
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.sampled_from("abc"), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+def typed(value: Any) -> Any:
+    """``value`` with every type spelled out, dict keys in order (what a template sees)."""
+    if isinstance(value, dict):
+        return ("dict", [(k, typed(v)) for k, v in value.items()])
+    if isinstance(value, list):
+        return ("list", [typed(v) for v in value])
+    return (type(value).__name__, value)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    one=st.dictionaries(st.sampled_from("xyz"), VALUES),
+    other=st.dictionaries(st.sampled_from("xyz"), VALUES),
+)
+def test_frozen_messages_are_equal_exactly_when_the_messages_and_types_are(
+    one: dict[str, Any], other: dict[str, Any]
+) -> None:
+    assert (frozen_message(one) == frozen_message(other)) == (typed(one) == typed(other))
+    assert frozen_message(one) == frozen_message(json.loads(json.dumps(one))) or typed(
+        one
+    ) != typed(json.loads(json.dumps(one)))
+
+
+TURN = st.tuples(
+    st.sampled_from(["add", "echo", None]), ARGS, st.lists(TEXT, min_size=1, max_size=2)
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(first=TEXT, turns=st.lists(TURN, min_size=1, max_size=8), twice=st.booleans())
+def test_kept_turns_give_the_ids_of_a_dialog_with_nothing_kept(
+    tokenizers: dict[str, Any], first: str, turns: list[Any], twice: bool
+) -> None:
+    shared = ChatFormat(tokenizers["tools"], tool_parser="hermes")
+    tools = ToolSet([add, echo])
+
+    def play(chat: ChatFormat) -> tuple[list[int], int]:
+        dialog = Dialog(chat, tools)
+        ids = dialog.first_prompt(first)
+        for t, (name, arguments, results) in enumerate(turns):
+            message = {"role": "assistant", "content": ""}
+            if name is not None:
+                message["tool_calls"] = [call_message(name, arguments, t)]
+            text = chat.render_messages(
+                [*dialog.messages, message], generation_prompt=False, tools=tools.schemas
+            )[len(dialog.text) :]
+            response = chat.encode(text.rstrip("\n"))
+            action = dialog.act(response, t)
+            new = [
+                {"role": "tool", "tool_call_id": c.id, "name": c.name, "content": results[0]}
+                for c in action.tool_calls
+            ] or [{"role": "user", "content": results[-1]}]
+            more, _ = dialog.continuation(new, response)
+            ids = [*ids, *response, *more]
+        return ids, dialog.prefix_breaks
+
+    kept = play(shared)
+    if twice:  # the second time, every turn is a kept one
+        kept = play(shared)
+    assert kept == play(ChatFormat(tokenizers["tools"], tool_parser="hermes"))
+
+
+@settings(max_examples=300, deadline=None)
+@given(kwargs=st.dictionaries(st.sampled_from(["a", "b", "c", "text"]), st.integers(0, 3)))
+def test_arguments_the_schema_lets_through_bind_to_a_tool_bound_by_its_schema(
+    kwargs: dict[str, Any],
+) -> None:
+    tools = ToolSet([add, echo])
+    assert tools.bound_by_schema == {"add", "echo"}
+    for name in tools.names:
+        if argument_problem(tools.parameters(name), kwargs) is None:
+            inspect.signature(tools.functions[name]).bind(**kwargs)  # raises if it would not
+
+
+def test_a_tool_whose_schema_says_less_than_its_signature_is_not_bound_by_it() -> None:
+    def spread(*values: int) -> int:
+        """Sum the values."""
+        return sum(values)
+
+    schema = {"type": "function", "function": {"name": "spread", "parameters": {}}}
+    tools = ToolSet([schema], functions={"spread": spread})
+    loose = ToolSet(
+        [
+            {
+                "type": "function",
+                "function": {
+                    "name": "echo",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"text": {"type": "string"}},
+                        "additionalProperties": True,
+                    },
+                },
+            }
+        ],
+        functions={"echo": echo},
+    )
+    assert tools.bound_by_schema == frozenset() and loose.bound_by_schema == frozenset()
