@@ -114,14 +114,19 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", *(session.posargs or ["-q", "--durations=20"]))
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=False)
 def distributed(session: nox.Session) -> None:
     """Past one process (tests/distributed): Ray clusters of several nodes on one machine,
     episode workers, node and worker faults, a SIGKILL'd driver resuming, weight broadcast.
-    The main test session does not collect them (its 15-minute budget)."""
-    install_project(session, "cpu,dev")
-    session.env["ROLLPIPE_DISTRIBUTED"] = "1"
-    session.run("pytest", "tests/distributed", *(session.posargs or ["-q", "--durations=10"]))
+    The main test session does not collect them (its 15-minute budget). They run in the
+    ``tests`` session's virtualenv (the same extras): it is built first if missing, and CI
+    saves a second install of torch and vLLM."""
+    python = os.path.join(".nox", "tests", "bin", "python")
+    if not os.path.exists(python):
+        session.run(sys.executable, "-m", "nox", "-s", "tests", "--install-only", external=True)
+    args = session.posargs or ["-q", "--durations=10", "-p", "no:cacheprovider"]
+    env = {"ROLLPIPE_DISTRIBUTED": "1"}
+    session.run(python, "-m", "pytest", "tests/distributed", *args, env=env, external=True)
 
 
 @nox.session(python=PYTHON)
