@@ -1,23 +1,25 @@
 """Fault campaign: random fault points over text, tool and agent episodes; nothing may be
 lost, duplicated or hang.
 
-``python -m bench.fault_campaign --points 10000`` (``--smoke``: 18 points;
-``python -m bench.run --only fault_campaign``). A *run* is one pipeline on one episode
-kind — ``text`` (FrozenLake), ``tool`` (the calculator ``ToolEnv``, hermes calls) or
-``agent`` (an ``AgentEnv`` whose ``openai`` client makes two calls through the front
-door) — and one engine: ``scripted`` (a two-rank ``EnginePool`` of :class:`SteppedEngine`:
-a scripted answer, one token every :data:`STEP_S`, so points find requests in flight;
-cheap, most points) or ``vllm`` (the tiny tools model on the in-process ``VLLMEngine``;
-``--vllm-share`` of the runs). Each of its ``--batches`` batches is one *point*: a fault
-kind drawn from :data:`FAULTS` is injected at a random place in it. The run's trajectory
-ids (group id, episode id) are compared with an uninterrupted reference run of the same
-config and seed: **lost** (in the reference, never yielded), **duplicated** (yielded more
-than once), **unexpected** (yielded, not in the reference) are counted against the point
-whose batch showed them, with the kind's own check (:attr:`FaultKind.check`). A **hang**
-is a point that does not finish within ``--watchdog-s`` (generous: points take
+``python -m bench.fault_campaign --points 10000`` (``--smoke``: 18 points; ``python -m
+bench.run --only fault_campaign``). A *run* is one pipeline on one episode kind — ``text``
+(FrozenLake), ``tool`` (the calculator ``ToolEnv``, hermes calls) or ``agent`` (an
+``AgentEnv`` whose ``openai`` client makes two calls through the front door) — and one
+engine: ``scripted`` (a two-rank ``EnginePool`` of :class:`SteppedEngine`: a scripted
+answer, one token every :data:`STEP_S`, so points find requests in flight; cheap, most
+points) or ``vllm`` (the tiny tools model on the in-process ``VLLMEngine``; ``--vllm-share``
+of the runs) or ``workers`` (the scripted pool, the episodes run in two episode workers,
+``rollout={"episode_workers": 2}``, Ray actors; ``--workers-share`` of the runs, compared
+with the *in-process* scripted reference: same ids). Each of its ``--batches`` batches is
+one *point*: a fault kind drawn from :data:`FAULTS` is injected at a random place in it. The
+run's trajectory ids (group id, episode id) are compared with an uninterrupted reference run
+of the same config and seed: **lost** (in the reference, never yielded), **duplicated**
+(yielded more than once), **unexpected** (yielded, not in the reference) are counted against
+the point whose batch showed them, with the kind's own check (:attr:`FaultKind.check`). A
+**hang** is a point that does not finish within ``--watchdog-s`` (generous: points take
 milliseconds to seconds): the watchdog records the point, dumps every thread's stack to
-stderr and closes the pipeline, which wakes a blocked ``get_batch``; no wait in a point
-is timed (each waits for an event: the n-th engine request, the batch's return).
+stderr and closes the pipeline, which wakes a blocked ``get_batch``; no wait in a point is
+timed (each waits for an event: the n-th engine request, the batch's return).
 
 The report (``bench/results/fault_campaign.json``; ``--out`` elsewhere) gives points,
 lost, duplicated, unexpected, hangs and failed checks per fault kind, per episode kind,
@@ -69,7 +71,7 @@ from rollpipe.pipeline import PipelineConfig, RolloutPipeline
 RESULTS = Path(__file__).resolve().parent / "results"
 REPORT_NAME = "fault_campaign.json"
 EPISODE_KINDS = ("text", "tool", "agent")
-ENGINES = ("scripted", "vllm")
+ENGINES = ("scripted", "vllm", "workers")
 COUNTS = ("points", "lost", "duplicated", "unexpected", "hangs", "failed_checks")
 
 STEP_S = 0.0005
@@ -146,17 +148,30 @@ class Run:
         self.setup, self.episode_kind, self.engine_kind = setup, episode_kind, engine_kind
         self.engine = setup.engine(engine_kind)
         self.tap = setup.taps[engine_kind]
-        self.config = setup.config(episode_kind, seed)
+        self.config = setup.config(episode_kind, seed, engine_kind)
         self.weights = setup.weights(engine_kind)
         self.pipe = self.new_pipeline()
         self.notes: list[str] = []  # what a kind's check found
 
     def new_pipeline(self) -> RolloutPipeline:
-        return RolloutPipeline(self.config, self.engine, self.setup.tokenizer)
+        self.kills = 0  # episode workers killed in this pipeline
+        if self.engine_kind != "workers":
+            return RolloutPipeline(self.config, self.engine, self.setup.tokenizer)
+        _start_ray()  # the workers build their envs themselves: the agent env by factory
+        return RolloutPipeline(
+            self.config, self.engine, self.setup.tokenizer, env_factory=campaign_env
+        )
+
+    def close_pipeline(self) -> None:
+        """Close the pipeline, counting what its episode workers did first."""
+        workers = self.pipe.nodes.rollout.workers if self.engine_kind == "workers" else None
+        if workers is not None:
+            self.setup.worker_counts.update(replaced=workers.replaced, reruns=workers.reruns)
+        self.pipe.close()
 
     def replace_pipeline(self, state: dict[str, Any] | None = None) -> None:
         """Close the pipeline; a fresh one takes its place (loading ``state`` if given)."""
-        self.pipe.close()
+        self.close_pipeline()
         self.pipe = self.new_pipeline()
         if state is not None:
             self.pipe.load_state_dict(state)
@@ -269,7 +284,7 @@ def _all_ranks_back(run: Run) -> list[str]:
     expected="rank 1 leaves mid-batch (its requests re-sent to rank 0) and comes back "
     "before the next point; the batch is the reference's",
     check=_all_ranks_back,
-    engines=("scripted",),
+    engines=("scripted", "workers"),
 )
 def shrink_expand(run: Run, rng: random.Random) -> DataProto:
     def leave() -> None:
@@ -279,6 +294,52 @@ def shrink_expand(run: Run, rng: random.Random) -> DataProto:
     fresh = run.engine.version == 0  # a rebuilt rank starts at 0: skip_load fits only then
     run.pipe.expand_sampler([1], skip_load=fresh and rng.random() < 0.5)
     return batch
+
+
+def _replaced_no_more_than_killed(run: Run) -> list[str]:
+    replaced = run.pipe.nodes.rollout.workers.replaced
+    return [f"{replaced} workers replaced after {run.kills} kills"] if replaced > run.kills else []
+
+
+@fault_kind(
+    "worker_kill",
+    expected="an episode worker (a Ray actor) killed mid-batch is replaced in its slot and "
+    "the episodes it ran run again from their specs; the batch is the in-process reference's",
+    check=_replaced_no_more_than_killed,
+    engines=("workers",),
+)
+def worker_kill(run: Run, rng: random.Random) -> DataProto:
+    import ray
+
+    workers = run.pipe.nodes.rollout.workers
+
+    def kill() -> None:
+        live = [link for link in workers._links if link is not None and link.lost is None]
+        busy = [link for link in live if link.running] or live  # one running episodes, if any
+        ray.kill(rng.choice(busy).actor, no_restart=True)
+        run.kills += 1
+        run.setup.worker_counts.update(kills=1)
+
+    return run.during_batch(rng, kill)
+
+
+def _start_ray() -> None:
+    import ray
+
+    if not ray.is_initialized():
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # campaign_env
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+
+
+def campaign_env(spec: Any) -> Any:
+    """The env of a spec in an episode worker (the campaign's agent is registered only in
+    the driver's registry)."""
+    from rollpipe.envs import make
+    from rollpipe.frontdoor import AgentEnv
+
+    if spec.env_name == "campaign_agent":
+        return AgentEnv(two_call_agent, task=lambda seed: f"What is {seed % 50} + 3?")
+    return make(spec.env_name, **dict(spec.env_config))
 
 
 # -- engines, episode kinds, references ---------------------------------------------------
@@ -405,6 +466,7 @@ class Setup:
         self._engines: dict[str, Any] = {}
         self._weights: dict[str, Any] = {}
         self.references: dict[tuple[str, str, int], list[Ids]] = {}
+        self.worker_counts = Counter[str]()  # kills, replacements, episodes run again
         register(
             "campaign_agent",
             lambda: AgentEnv(two_call_agent, task=lambda seed: f"What is {seed % 50} + 3?"),
@@ -418,7 +480,7 @@ class Setup:
 
     def _build(self, kind: str) -> Any:
         tap = self.taps[kind]
-        if kind == "scripted":
+        if kind in ("scripted", "workers"):  # workers: a pool of its own (its own counts)
             from rollpipe.engines.pool import EnginePool
 
             call, answer = (
@@ -449,7 +511,7 @@ class Setup:
 
     def weights(self, kind: str) -> Any:
         if kind not in self._weights:
-            if kind == "scripted":
+            if kind in ("scripted", "workers"):
                 self._weights[kind] = {"w": torch.zeros(1)}  # a ScriptedEngine ignores them
             else:
                 from transformers import AutoModelForCausalLM
@@ -458,13 +520,14 @@ class Setup:
                 self._weights[kind] = {k: v.detach().clone() for k, v in model.state_dict().items()}
         return self._weights[kind]
 
-    def config(self, episode_kind: str, seed: int) -> PipelineConfig:
+    def config(self, episode_kind: str, seed: int, engine_kind: str = "") -> PipelineConfig:
         envs = {"text": "frozenlake", "tool": "calculator", "agent": "campaign_agent"}
+        workers = 2 if engine_kind == "workers" else 0
         return PipelineConfig(
+            rollout={"concurrency": 8, "episode_workers": workers},
             envs=envs[episode_kind],
             group_size=2,
             batch_size=4,
-            concurrency=8,
             max_turns=3,
             max_length=1024,
             sampling={"max_tokens": 16},
@@ -474,6 +537,8 @@ class Setup:
         )
 
     def reference(self, episode_kind: str, engine_kind: str, seed: int) -> list[Ids]:
+        if engine_kind == "workers":  # the in-process run is what workers must give
+            engine_kind = "scripted"
         key = (episode_kind, engine_kind, seed)
         if key not in self.references:
             config = self.config(episode_kind, seed)
@@ -486,8 +551,10 @@ class Setup:
         out = {}
         for kind, engine in self._engines.items():
             out[kind] = {"requests": self.taps[kind].requests, "aborted": self.taps[kind].aborted}
-            if kind == "scripted":
+            if kind in ("scripted", "workers"):
                 out[kind]["rerouted_by_shrink"] = engine.rerouted
+            if kind == "workers":
+                out[kind] |= self.worker_counts
         return out
 
     def close(self) -> None:
@@ -570,7 +637,7 @@ def one_run(
                 tally.add(cell, failed_checks=len(notes))
                 tally.failed += [f"{where}: {n}" for n in notes]
     finally:
-        run.pipe.close()
+        run.close_pipeline()
     yielded = {i for ids in got for i in ids}
     expected = {i for ids in reference for i in ids}
     for ident in expected - yielded:
@@ -587,6 +654,8 @@ def campaign(
     seed: int,
     watchdog_s: float,
     min_vllm_runs: int = 0,
+    workers_share: float = 0.0,
+    min_worker_runs: int = 0,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run runs until ``points`` points are done (the first ``min_vllm_runs`` on vLLM,
@@ -598,7 +667,8 @@ def campaign(
     try:
         while tally.total()["points"] < points:
             on_vllm = runs < min_vllm_runs or rng.random() < vllm_share
-            engine_kind = "vllm" if on_vllm else "scripted"
+            on_workers = runs - min_vllm_runs < min_worker_runs or rng.random() < workers_share
+            engine_kind = "vllm" if on_vllm else "workers" if on_workers else "scripted"
             episode_kind = EPISODE_KINDS[runs % len(EPISODE_KINDS)]
             one_run(setup, tally, rng, episode_kind, engine_kind, watchdog_s)
             runs += 1
@@ -639,6 +709,8 @@ def run(ctx: Any) -> dict[str, Any]:
         seed=0,
         watchdog_s=300,
         min_vllm_runs=1,
+        workers_share=0.02,
+        min_worker_runs=1,
         log=ctx.log,
     )
     if ctx.results_dir is not None:
@@ -659,6 +731,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="18 points, nothing written")
     parser.add_argument("--vllm-share", type=float, default=0.03, help="share of runs on vLLM")
     parser.add_argument("--batches", type=int, default=10, help="points per run")
+    parser.add_argument(
+        "--workers-share", type=float, default=0.02, help="share of runs on episode workers"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--watchdog-s", type=float, default=300.0, help="a point over this hangs")
     parser.add_argument("--out", type=Path, default=RESULTS / REPORT_NAME)
@@ -671,6 +746,8 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         watchdog_s=args.watchdog_s,
         min_vllm_runs=1,
+        workers_share=args.workers_share,
+        min_worker_runs=1,
     )
     report["command"] = "python -m bench.fault_campaign " + " ".join(argv or sys.argv[1:])
     text = json.dumps(report, indent=2) + "\n"

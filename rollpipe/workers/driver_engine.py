@@ -16,6 +16,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from rollpipe.engines.inputs import CheckedIds, PromptView
 from rollpipe.engines.protocol import OnTokens
 from rollpipe.engines.records import EngineError, Generation, SamplingParams
 from rollpipe.engines.routing import current_route
@@ -80,10 +81,13 @@ class DriverEngine:
         req = next(self._numbers)
         answer: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self._waiting[req] = answer
+        # a checked prompt pickles as a CheckedIds with its bounds: the driver's engine
+        # then checks it by them, not id by id (as an in-process episode's prompt)
+        checked = type(prompt_ids) in (PromptView, CheckedIds)
         self._send(
             Request(
                 req,
-                list(prompt_ids),
+                prompt_ids if checked else list(prompt_ids),  # type: ignore[arg-type]
                 params,
                 tuple(images),
                 None if route is None else route.key,
