@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import numpy as np
@@ -412,7 +412,8 @@ class ChatFormat:
         ``apply_chat_template``, cheaper)."""
         if self._fast_render is not None:
             shown = [template_message(m) for m in messages]
-            return self._fast_render(shown, generation_prompt, list(tools) if tools else None)
+            schemas = cast("list[dict[str, Any]]", list(tools)) if tools else None
+            return self._fast_render(shown, generation_prompt, schemas)
         extra = {"tools": list(tools)} if tools else {}
         text = self.tokenizer.apply_chat_template(
             [template_message(m) for m in messages],

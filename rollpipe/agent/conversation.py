@@ -312,6 +312,7 @@ class ChatConversation(Conversation):
         new ones after the last response), as :meth:`TextConversation.prompt` gives it."""
         dialog = self.dialog
         assert dialog is not None, "ChatConversation.prompt needs the episode's tools"
+        added: Sequence[int]
         if not self.turns:
             added, broke = dialog.first_prompt(observation), False
             packed = np.fromiter(added, np.int64, len(added))

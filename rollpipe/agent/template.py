@@ -53,9 +53,10 @@ def template_renderer(tokenizer: Any) -> Render | None:
         and isinstance(source, str)
         and hasattr(chat_template_utils, "_compile_jinja_template")
     )
-    if not same:
+    if not same or not isinstance(source, str):
         return None
-    template = _compiled(source, chat_template_utils._compile_jinja_template)
+    compile_template = chat_template_utils._compile_jinja_template
+    current: list[Any] = [source, _compiled(source, compile_template)]
 
     def render(
         messages: Sequence[Mapping[str, Any]],
@@ -64,7 +65,15 @@ def template_renderer(tokenizer: Any) -> Render | None:
     ) -> str:
         if not messages:  # apply_chat_template's own error
             raise ValueError("Cannot apply chat template to an empty conversation.")
-        text: str = template.render(
+        source = tokenizer.chat_template
+        if source is not current[0]:  # the tokenizer's template was changed since
+            if not isinstance(source, str):
+                raise ValueError(
+                    "the tokenizer's chat_template is no longer one template string; build "
+                    "the ChatFormat again after changing it"
+                )
+            current[:] = [source, _compiled(source, compile_template)]
+        text: str = current[1].render(
             messages=messages,
             tools=tools,
             documents=None,

@@ -263,9 +263,9 @@ class ToolRunner:
                 return shown(name, await asyncio.wait_for(fn(**kwargs), self.timeout_s), limit)
             if call.name in self.tools.inline:  # declared fast: cheaper than a thread hop
                 start = time.perf_counter()
-                result = shown(name, fn(**kwargs), limit)
+                outcome = shown(name, fn(**kwargs), limit)
                 _check_inline_time(fn, name, time.perf_counter() - start)
-                return result
+                return outcome
             run = functools.partial(_run_shown, fn, kwargs, name, limit)
             result: Shown = await self.threads.call(run, timeout=self.timeout_s)
             return result
