@@ -35,10 +35,10 @@ rng)`` collects one batch with the fault injected at a random point and returns 
 request while another thread is in ``get_batch``; ``run.replace_pipeline()`` swaps in a
 fresh pipeline), ``expected`` says the outcome in words, ``check(run)`` returns what went
 wrong beyond loss and duplication (empty: fine), ``engines`` where it applies. Register
-it with ``@fault_kind("worker_kill", expected=..., engines=("scripted",))`` on the
-inject function; the loop, the reference comparison, the watchdog and the report pick it
-up with no other change (``worker_kill``, ``node_kill`` and ``sigkill`` are meant to be
-added this way).
+it with ``@fault_kind("my_kind", expected=..., engines=("scripted",))`` on the inject
+function; the loop, the reference comparison, the watchdog and the report pick it up
+with no other change (``worker_kill`` was added this way; a node's loss and a SIGKILLed
+driver are tested apart: tests/distributed/test_cluster_nodes.py, test_driver_kill.py).
 """
 
 from __future__ import annotations
