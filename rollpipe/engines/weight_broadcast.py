@@ -20,15 +20,16 @@ through Ray's object store. A ``BroadcastChannel`` is shared by the ``RayEngine`
   tensor); each host unpacks views of its buckets and loads them with its engine's own
   ``update_weights``. The first ``RayEngine`` of the pool whose ``update_weights`` runs
   sends to all of them; the others find their host's outcome already there.
-* **Failures** never hang the trainer: every collective has the group's timeout
-  (``timeout_s``: the engines' ``update_weights_timeout_s``), and each host's answer is
-  awaited within it. A host whose actor died is named in the error and its engine is
-  marked dead (an ``EnginePool`` takes its rank out); a host that stalls past the
-  limit is killed, as on the object-store path. After any failure the group is dropped
-  and the next update forms a new one with the live engines. A host that was still
-  waiting for its data when the trainer's send failed gives up at the group's
-  timeout (gloo cannot wake a waiting receive), so the failed update returns within
-  about ``timeout_s``.
+* **Failures** never hang the trainer: each host's answer is awaited within the engines'
+  ``update_weights_timeout_s``, and every collective (one bucket, or the rendezvous) has
+  half of it as the group's timeout, so a host that gives up still answers in time. A
+  host whose actor died is named in the error and its engine is marked dead (an
+  ``EnginePool`` takes its rank out); a host that stalls past the limit is killed, as
+  on the object-store path. After any failure the group is dropped and the next update
+  forms a new one with the live engines. A host that was still waiting for its data
+  when the trainer's send failed gives up at the group's timeout (gloo cannot wake a
+  waiting receive), so the failed update returns after about half of
+  ``update_weights_timeout_s``.
 """
 
 from __future__ import annotations
@@ -390,16 +391,16 @@ class BroadcastChannel:
             0,
             world,
             True,
-            timeout=datetime.timedelta(seconds=limit),
+            timeout=datetime.timedelta(seconds=_collective_s(limit)),
             wait_for_workers=False,
         )
         prefix = f"rollpipe-weights/{uuid.uuid4().hex}"
         specs = [
-            GroupSpec(address, store.port, i + 1, world, backend, limit, prefix)
+            GroupSpec(address, store.port, i + 1, world, backend, _collective_s(limit), prefix)
             for i in range(world - 1)
         ]
         refs = [m.actor.join_weight_group.remote(s) for m, s in zip(recipients, specs, strict=True)]
-        trainer = GroupSpec(address, store.port, 0, world, backend, limit, prefix)
+        trainer = GroupSpec(address, store.port, 0, world, backend, _collective_s(limit), prefix)
         with concurrent.futures.ThreadPoolExecutor(1, "rollpipe-weight-group") as pool:
             made = pool.submit(_process_group, store, trainer)  # blocks until all joined
             outcomes = _answers(recipients, refs, "join_weight_group", limit)
@@ -493,6 +494,13 @@ class BroadcastChannel:
         """Drop the group (the hosts' side goes with their actors)."""
         with self._lock:
             self._drop_group()
+
+
+def _collective_s(limit: float) -> float:
+    """The group's timeout for one collective (one bucket, or the rendezvous): half the
+    limit on the whole update, so that a host whose receive gives up answers (with its
+    error) before the trainer stops waiting for it and counts it as stalled."""
+    return limit / 2
 
 
 def _answers(
