@@ -155,6 +155,9 @@ LONGER_MODULES: dict[str, str] = {
     "with the tokenizer shortcuts it takes (each exactly the general path's result)",
     "rollpipe.agent.conversation": "the one conversation: its state, its turn's sampling, "
     "its engine request and the records it builds (a turn is built nowhere else)",
+    "rollpipe.engines.weight_broadcast": "BroadcastChannel and its host's WeightReceiver: "
+    "one protocol, the group's life (formed, re-formed after a failure) and one update's "
+    "failure paths (the buckets' layout is weight_buckets)",
     "rollpipe.nodes.rollout": "the EpisodeRunner node, one class: admission, its book of "
     "specs in flight, the episodes' lifecycle and close (where an episode runs, this loop or "
     "a worker process, is rollpipe.workers)",
