@@ -18,9 +18,9 @@ from torchdata.nodes import BaseNode, Mapper
 from rollpipe.config import PipelineConfig
 from rollpipe.data.proto import DataProto
 from rollpipe.engines.protocol import Engine
+from rollpipe.envs.pool import EnvForSpec
 from rollpipe.nodes.batch import Batch
 from rollpipe.nodes.collate import Collate
-from rollpipe.nodes.env_pool import EnvForSpec
 from rollpipe.nodes.episode_source import EpisodeSource
 from rollpipe.nodes.groups import GroupAssembler
 from rollpipe.nodes.pausable import Pausable

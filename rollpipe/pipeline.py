@@ -20,8 +20,8 @@ from rollpipe.config import PipelineConfig
 from rollpipe.data.proto import DataProto
 from rollpipe.engines.pool import EnginePool
 from rollpipe.engines.protocol import Engine, PauseMode, WeightsLike
+from rollpipe.envs.pool import EnvForSpec
 from rollpipe.nodes.closing import close_chain
-from rollpipe.nodes.env_pool import EnvForSpec
 from rollpipe.nodes.suspension import DEFAULT_MODE, Suspension
 from rollpipe.runtime import RuntimeClosedError
 

@@ -39,9 +39,9 @@ from rollpipe.agent.env_threads import EnvThreads
 from rollpipe.agent.episode import EpisodeSettings
 from rollpipe.agent.records import EpisodeSpec, Trajectory
 from rollpipe.engines.protocol import Engine
+from rollpipe.envs.pool import EnvForSpec, EnvPool, run_spec
 from rollpipe.nodes.admitted import Admitted
 from rollpipe.nodes.closing import close_chain
-from rollpipe.nodes.env_pool import EnvForSpec, EnvPool, run_spec
 from rollpipe.nodes.signals import PipelineSignals
 from rollpipe.runtime import Feed, Runtime, RuntimeClosedError, Signal
 from rollpipe.workers.episode_workers import workers_for

@@ -39,7 +39,7 @@ from rollpipe.agent.generation_timeout import answer_within
 from rollpipe.agent.records import EpisodeSpec, Trajectory
 from rollpipe.engines.protocol import Engine, engine_supports
 from rollpipe.engines.routing import Route, in_route
-from rollpipe.nodes.env_pool import EnvForSpec
+from rollpipe.envs.pool import EnvForSpec
 from rollpipe.workers.driver_engine import FEATURES
 from rollpipe.workers.link import WorkerLink
 from rollpipe.workers.mail import Abandon, Answer, Cancel, Finished, Request, Start

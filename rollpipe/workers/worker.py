@@ -1,7 +1,7 @@
 """EpisodeWorker: the episode loop in a worker process (hosted by a Ray actor).
 
 A worker runs the episodes the driver sends it exactly as the driver would
-(:func:`~rollpipe.nodes.env_pool.run_spec`: env calls, chat and dialog rendering,
+(:func:`~rollpipe.envs.pool.run_spec`: env calls, chat and dialog rendering,
 tokenization, tool calls, agents with their ``openai`` clients and their front door), on
 its own :class:`~rollpipe.runtime.Runtime` — the one loop of its process — with a
 :class:`~rollpipe.workers.driver_engine.DriverEngine` as their engine. The driver keeps
@@ -26,7 +26,7 @@ from rollpipe.agent.chat import ChatFormat
 from rollpipe.agent.env_threads import EnvThreads
 from rollpipe.agent.episode import EpisodeSettings
 from rollpipe.agent.records import Trajectory
-from rollpipe.nodes.env_pool import EnvForSpec, EnvPool, run_spec
+from rollpipe.envs.pool import EnvForSpec, EnvPool, run_spec
 from rollpipe.runtime import Runtime
 from rollpipe.workers.driver_engine import DriverEngine
 from rollpipe.workers.mail import Answer, Cancel, Finished, Start
