@@ -104,7 +104,13 @@ def run(ctx: BenchContext) -> Figures:
         base = [_run(ctx, local, batches) for _ in range(ctx.repeats_for())]
     finally:
         local.close()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        ignore_reinit_error=True,
+    )
     state = AutoModelForCausalLM.from_pretrained(path).state_dict()
     model_bytes = sum(t.numel() * t.element_size() for t in state.values())
     remote = RayEngine(functools.partial(VLLMEngine, path, kv_cache_space_gib=KV_GIB))

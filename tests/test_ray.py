@@ -40,7 +40,11 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[None]:
     ray.init(
-        num_cpus=4, include_dashboard=False, log_to_driver=False, object_store_memory=200 << 20
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        object_store_memory=200 << 20,
     )
     yield
     ray.shutdown()

@@ -43,7 +43,11 @@ CALL_S = 300  # a deadline only a hang reaches
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[None]:
     ray.init(
-        num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 << 20
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        object_store_memory=200 << 20,
     )
     yield
     ray.shutdown()

@@ -94,7 +94,11 @@ def cluster() -> Iterator[None]:
         yield
         return
     ray.init(
-        num_cpus=4, include_dashboard=False, log_to_driver=False, object_store_memory=200 << 20
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        object_store_memory=200 << 20,
     )
     yield
     ray.shutdown()

@@ -30,7 +30,11 @@ def cluster() -> Iterator[None]:
     # the actors cannot import this test module: ship its functions by value
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     ray.init(
-        num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=100 << 20
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        object_store_memory=100 << 20,
     )
     yield
     ray.shutdown()

@@ -46,7 +46,7 @@ def test_the_multiprocess_backend_reports_what_the_inprocess_one_does(
 def cluster() -> Iterator[None]:
     import ray
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
