@@ -274,3 +274,23 @@ def test_an_engine_pool_keeps_each_worker_episode_on_one_rank(tokenizer: Any) ->
     assert {r for rs in ranks.values() for r in rs} == {0, 1}  # both ranks served
     turns = sum(1 for _ in log)
     assert turns > len(ranks)  # episodes of several turns, each kept on its rank
+
+
+def test_async_generation_ratio_bounds_staleness_with_workers(
+    vllm_engine: Any, tokenizer: Any, weights: dict[str, torch.Tensor]
+) -> None:
+    """ROLL's loop (get_batch, suspend, update, resume) with ``async_generation_ratio=1``:
+    collection runs ahead on the workers between updates, and no batch holds a response
+    token more than one version behind the weights it is trained on."""
+    config = frozenlake_config(2, async_generation_ratio=1)
+    seen: list[int] = []
+    with RolloutPipeline(config, vllm_engine, tokenizer) as pipe:
+        for _ in range(3):
+            batch = pipe.get_batch()
+            mask = batch.batch["response_mask"].bool()
+            oldest = int(batch.batch["policy_versions"][mask].min())
+            assert pipe.version - oldest <= 1, (pipe.version, oldest)
+            seen += batch.batch["traj_id"].tolist()
+            with pipe.suspended():
+                pipe.update_weights(weights)
+    assert len(seen) == len(set(seen)) == 12  # none lost to the workers, none twice
