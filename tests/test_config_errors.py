@@ -93,6 +93,8 @@ BAD: dict[str, list[Any]] = {
     "max_errors_in_a_row": [0, -1, 1.5, "10", True, None, 10**30],
     "max_error_seconds": [0, -1, math.nan, math.inf, "60", True, 1e30],
     "in_order": ["yes", "no", 1, 0],
+    "episode_workers": [-1, 1.5, "2", True, None, 10**9],
+    "worker_options": [3, "x", ["num_cpus"], None],
     "raise_env_errors": ["no", "yes", 1, 0, None],
     "on_length": ["x", None, 1, True],
     "length_penalty": [math.nan, math.inf, "0.1", True],

@@ -80,9 +80,7 @@ class RunnerSettings:
     )
     in_order: bool | None = attrs.field(default=None, validator=optional(instance_of(bool)))
     episode_workers: int = attrs.field(default=0, validator=int_in(0, MAX_EPISODE_WORKERS))
-    worker_options: Mapping[str, Any] = attrs.field(
-        factory=dict, converter=dict, validator=instance_of(dict)
-    )
+    worker_options: Mapping[str, Any] = attrs.field(factory=dict, validator=instance_of(dict))
 
 
 class EpisodeRunner(BaseNode[Trajectory]):
