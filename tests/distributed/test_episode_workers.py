@@ -66,12 +66,18 @@ def batches(config: PipelineConfig, engine: Any, tokenizer: Any, n: int) -> list
         return [pipe.get_batch() for _ in range(n)]
 
 
-def assert_same_rows(a: DataProto, b: DataProto) -> None:
-    """Bitwise the same rows; ``env_ids`` name instances per worker (ENV_IDS_PER_WORKER)."""
+def assert_same_rows(a: DataProto, b: DataProto, version: int | None = None) -> None:
+    """Bitwise the same rows; ``env_ids`` name instances per worker (ENV_IDS_PER_WORKER).
+    ``version``: ``b`` was generated after weight updates (the shared engine's tests before
+    it): its tokens carry that version where ``a``'s carry theirs."""
     keys = sorted(a.batch.keys())
     assert keys == sorted(b.batch.keys())
     for key in keys:
-        if key != "env_ids":
+        if key == "policy_versions" and version is not None:
+            generated = a.batch[key] >= 0
+            assert torch.equal(generated, b.batch[key] >= 0), key
+            assert set(b.batch[key][generated].tolist()) == {version}, key
+        elif key != "env_ids":
             assert torch.equal(a.batch[key], b.batch[key]), key
     assert a.non_tensor_batch.keys() == b.non_tensor_batch.keys()
     for key, column in a.non_tensor_batch.items():
@@ -155,7 +161,7 @@ def test_a_killed_worker_is_replaced_and_its_episodes_run_again(
     reference: list[DataProto], vllm_engine: Any, tokenizer: Any
 ) -> None:
     with RolloutPipeline(frozenlake_config(2), vllm_engine, tokenizer) as pipe:
-        assert_same_rows(reference[0], pipe.get_batch())
+        assert_same_rows(reference[0], pipe.get_batch(), vllm_engine.version)
         workers = pipe.nodes.rollout.workers
         with next_batch_in_thread(pipe) as second:
             victim = wait_until(
@@ -169,7 +175,7 @@ def test_a_killed_worker_is_replaced_and_its_episodes_run_again(
         assert workers.replaced == 1
         assert 1 <= workers.reruns <= running
     for a, b in zip(reference[1:], rest, strict=True):
-        assert_same_rows(a, b)  # the re-run episodes are the same episodes
+        assert_same_rows(a, b, vllm_engine.version)  # the re-run episodes are the same
 
 
 def calculator_config(workers: int) -> PipelineConfig:
