@@ -16,8 +16,9 @@ It reports each step on stdout, one flushed line each after the prefix ``@driver
     batch K DIGEST                 (line K is on disk)
     saved K                        (checkpoint K is on disk)
     writing K WRITTEN TOTAL        (with --pause-in-write O:F, in the O-th checkpoint this
-                                    run writes (0: its first), once F of it is written:
-                                    the partial file holds WRITTEN of TOTAL bytes; the
+                                    run writes (0: its first), once F of it is written,
+                                    or at its last chunk before the end if that comes
+                                    first: the partial file holds WRITTEN < TOTAL bytes; the
                                     driver then blocks reading stdin until it is killed)
     holding                        (with --hold-at-end: the last batch's line is on disk;
                                     the driver blocks before its checkpoint, so a kill
@@ -53,6 +54,7 @@ RESULTS = "results.txt"
 CHECKPOINTS = "checkpoints"
 SEED = 11
 PREFIX = "@driver "
+CHUNK_BYTES = 512  # the checkpoint is written in chunks this size, to pause between them
 WALL_CLOCK = ("time/", "throughput/")
 NOT_CONTENT = ("env_ids",)  # which pooled env instance ran it: scheduling, not the seed
 
@@ -191,12 +193,19 @@ def run(
 
             def on_chunk(written: int, total: int, k: int = k) -> None:
                 at = offset is not None and done + int(offset) == k
-                if at and float(fraction) * total <= written < total:
+                # at the first chunk past the fraction, or at the last chunk before the
+                # end when none lies between them (a small file: fraction 0.9 of 4.6 kB
+                # falls inside its last 512-byte chunk): always mid-write, never done
+                last_before_end = written + CHUNK_BYTES >= total
+                past = written >= float(fraction) * total or last_before_end
+                if at and past and written < total:
                     _say(f"writing {k} {written} {total}")
                     _hold()  # the test kills the driver here, mid-write
 
             state = {"batches": k + 1, "pipeline": pipe.state_dict()}
-            save_step_checkpoint(checkpoints, k, state, keep=2, chunk_bytes=512, on_chunk=on_chunk)
+            save_step_checkpoint(
+                checkpoints, k, state, keep=2, chunk_bytes=CHUNK_BYTES, on_chunk=on_chunk
+            )
             _say(f"saved {k}")
     _say("done")
 

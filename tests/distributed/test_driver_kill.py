@@ -140,6 +140,8 @@ class Driver:
         while (line := self.next_line()) is not None:
             if line.startswith(prefix):
                 return line.split()
+            if line == "holding":  # it prints nothing more until it is killed
+                raise AssertionError(f"the driver is holding before {prefix!r}; {self.tail()}")
         raise AssertionError(f"the driver exited before printing {prefix!r}; {self.tail()}")
 
     def kill(self) -> None:
