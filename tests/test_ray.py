@@ -104,6 +104,35 @@ def test_weights_go_to_the_object_store_once_per_update(
     assert store.puts == puts + 1 and all(pool.engine(r).version == version for r in (0, 1))
 
 
+def test_a_repeated_version_with_other_weights_is_put_again(
+    pool: EnginePool, tiny_model_path: Path
+) -> None:
+    """The store knows an update by its tensors, not its version alone: the same
+    explicit version with other tensors, or with the same tensors stepped in place, is
+    a new copy; the same unchanged tensors again are not."""
+    from transformers import AutoModelForCausalLM
+
+    store = pool.engine(0).weights  # type: ignore[union-attr]
+    state = AutoModelForCausalLM.from_pretrained(str(tiny_model_path)).state_dict()
+    version = pool.version + 1
+    pool.update_weights(state, version=version)
+    puts = store.puts
+    pool.update_weights(state, version=version)  # the same tensors, unchanged: no copy
+    assert store.puts == puts
+    other = {name: t.clone() for name, t in state.items()}
+    name = "model.norm.weight"
+    other[name].fill_(0.5)
+    pool.update_weights(other, version=version)  # same version, other tensors
+    assert store.puts == puts + 1
+    assert dict(ray.get(store.ref))[name].eq(0.5).all()
+    other[name].fill_(0.25)  # the same tensors, stepped in place
+    pool.update_weights(other, version=version)
+    assert store.puts == puts + 2
+    assert dict(ray.get(store.ref))[name].eq(0.25).all()
+    pool.update_weights(state)  # the model's own weights back for the tests after
+    assert dict(ray.get(store.ref))[name].equal(state[name])
+
+
 def test_shrink_and_expand_across_actors(pool: EnginePool, tiny_model_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 

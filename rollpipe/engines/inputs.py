@@ -263,7 +263,8 @@ def named_tensors(weights: WeightsLike) -> list[tuple[str, torch.Tensor]]:
                 f"update_weights: weight {name!r} must be (str, Tensor), "
                 f"got ({type(name).__name__}, {type(tensor).__name__})"
             )
-        out.append((name, tensor.detach()))
+        # the tensor itself when it needs no detaching: a pool's ranks then see one update
+        out.append((name, tensor.detach() if tensor.requires_grad else tensor))
     if not out:
         raise ValueError("update_weights: got no weights; pass a non-empty state dict")
     return out

@@ -8,7 +8,7 @@ awaits the actor's reply on the engine's loop, so per-token logprobs and version
 pause keep / abort / wait, resume, weight updates and close mean what they mean locally.
 
 * **Weights** go through Ray's object store **once per update**: RayEngines made by one
-  ``ray_pool`` share a ``WeightStore``, which ``ray.put``s the weights of a version once;
+  ``ray_pool`` share a ``WeightStore``, which ``ray.put``s the weights of an update once;
   every actor gets the same object reference and reads the tensors from shared memory
   on its node (zero-copy for the numpy-backed buffers Ray keeps).
 * **Or by broadcast** (``weight_sync="broadcast"``): the trainer sends each update over a
@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -101,20 +102,38 @@ class EngineHost:
 
 
 class WeightStore:
-    """The object-store copy of the latest weights, put once per version and shared."""
+    """The object-store copy of the latest weights, put once per update and shared.
+
+    The ranks of a pool load one update from one ``ray.put``. An update is the same as
+    the stored one when it has the same version and the very same tensors, unchanged
+    since (each tensor's in-place ``_version`` counter): a second update with the same
+    explicit version but other tensors, or the same tensors stepped in place, is put
+    again, never served the stale copy. Tensors are watched through weak references, so
+    the store keeps none of the trainer's tensors alive.
+    """
 
     def __init__(self) -> None:
         self.version: int | None = None
         self.ref: Any = None
         self.puts = 0  # how many times weights were copied into the object store
+        self._source: list[tuple[str, weakref.ref[torch.Tensor], int]] = []
 
     def put(self, named: list[tuple[str, torch.Tensor]], version: int) -> Any:
         import ray
 
-        if self.version != version or self.ref is None:
+        if self.ref is None or self.version != version or not self._holds(named):
             self.ref, self.version = ray.put(named), version
+            self._source = [(name, weakref.ref(t), t._version) for name, t in named]
             self.puts += 1
         return self.ref
+
+    def _holds(self, named: list[tuple[str, torch.Tensor]]) -> bool:
+        """Whether ``named`` is the stored update: the same names, tensor objects and
+        in-place versions."""
+        return len(named) == len(self._source) and all(
+            name == kept and ref() is t and t._version == seen
+            for (name, t), (kept, ref, seen) in zip(named, self._source, strict=True)
+        )
 
 
 class RayBackend:
