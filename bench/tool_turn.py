@@ -36,6 +36,7 @@ threads on a busy machine).
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import time
@@ -140,6 +141,7 @@ def _one_run(tokenizer: Any, tools: bool, turns: int, fresh: bool = False) -> fl
         tool_parser="hermes" if tools else None,
         sampling=SamplingParams(max_tokens=len(response)),
     )
+    gc.collect()  # the garbage of earlier runs is not this run's to collect
     with (
         ScriptedEngine(lambda prompt, params: response) as engine,
         RolloutPipeline(config, engine, tokenizer) as pipe,

@@ -39,7 +39,7 @@ import numpy.typing as npt
 from rollpipe.agent.parsers import ResponseParser
 from rollpipe.agent.records import Turn
 from rollpipe.agent.repeats import Repeats
-from rollpipe.agent.template import Render, template_renderer
+from rollpipe.agent.template import KeptJson, Render, template_renderer
 
 Packed = tuple[tuple[int, ...], "npt.NDArray[np.int64]"]
 
@@ -98,8 +98,8 @@ def template_message(message: Mapping[str, Any]) -> Mapping[str, Any]:
                 parsed = json.loads(arguments)
             except ValueError:
                 parsed = None
-            if isinstance(parsed, dict):
-                call = {**call, "function": {**function, "arguments": parsed}}
+            if isinstance(parsed, dict):  # its JSON kept for the template's tojson
+                call = {**call, "function": {**function, "arguments": KeptJson(parsed)}}
         out.append(call)
     return {**message, "tool_calls": out}
 
@@ -410,13 +410,24 @@ class ChatFormat:
         """``messages`` rendered by the tokenizer's chat template, with ``tools=`` (their
         OpenAI schemas) when there are any (``rollpipe.agent.template``: the same text as
         ``apply_chat_template``, cheaper)."""
+        shown = [template_message(m) for m in messages]
+        return self.render_shown(shown, generation_prompt=generation_prompt, tools=tools)
+
+    def render_shown(
+        self,
+        shown: Sequence[Mapping[str, Any]],
+        *,
+        generation_prompt: bool,
+        tools: Sequence[Mapping[str, Any]] = (),
+    ) -> str:
+        """:meth:`render_messages` of messages already in their template form
+        (:func:`template_message`: a dialog makes each message's once)."""
         if self._fast_render is not None:
-            shown = [template_message(m) for m in messages]
             schemas = cast("list[dict[str, Any]]", list(tools)) if tools else None
             return self._fast_render(shown, generation_prompt, schemas)
         extra = {"tools": list(tools)} if tools else {}
         text = self.tokenizer.apply_chat_template(
-            [template_message(m) for m in messages],
+            list(shown),
             tokenize=False,
             add_generation_prompt=generation_prompt,
             **extra,

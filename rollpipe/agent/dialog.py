@@ -47,16 +47,18 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from rollpipe.agent.actions import AssistantAction
-from rollpipe.agent.chat import ChatFormat, Packed, packed
+from rollpipe.agent.chat import ChatFormat, Packed, packed, template_message
 from rollpipe.agent.env_returns import as_messages
 from rollpipe.agent.parsers import ResponseParser
 from rollpipe.agent.repeats import frozen_message, repeat_key, tools_key
+from rollpipe.agent.template import KeptJson
 from rollpipe.agent.tools import ToolSet
 
 __all__ = ["CHECKED_TURNS", "Dialog"]
 
 CHECKED_TURNS = 2  # window renders per dialog also checked against a whole render
 _SENTINEL = "XQZSENTINELZQX"
+_PLACEHOLDER = {"role": "assistant", "content": _SENTINEL}  # the last turn's, cut after
 Observation = str | Sequence[Mapping[str, str]]
 Messages = Sequence[Mapping[str, Any]]
 
@@ -93,6 +95,9 @@ class Dialog:
         # each message's (itself, frozen form, text size) by id: read once, as it joins
         self._marks: dict[int, tuple[Mapping[str, Any], Hashable, int]] = {}
         self._chars_seen = 0  # the text of every message marked (>= of those it holds)
+        # each message's template form (``template_message``) by id, made at its first render
+        self._forms: dict[int, tuple[Mapping[str, Any], Mapping[str, Any]]] = {}
+        self._schemas = tuple(KeptJson(s) for s in tools.schemas)  # the tools, as rendered
         self._marked(self.messages)
 
     @property
@@ -108,8 +113,15 @@ class Dialog:
         self._text, self._text_upto = value, len(self.messages)
 
     def _render(self, messages: Messages, generation_prompt: bool) -> str:
-        return self.chat.render_messages(
-            messages, generation_prompt=generation_prompt, tools=self.tools.schemas
+        """``messages`` rendered (each in its template form, made once per message)."""
+        forms, shown = self._forms, []
+        for message in messages:
+            form = forms.get(id(message))
+            if form is None or form[0] is not message:
+                form = forms[id(message)] = (message, template_message(message))
+            shown.append(form[1])
+        return self.chat.render_shown(
+            shown, generation_prompt=generation_prompt, tools=self._schemas
         )
 
     def first_prompt(self, observation: Observation) -> list[int]:
@@ -123,13 +135,19 @@ class Dialog:
         response seen before at the same turn (a group's episodes often answer alike) is
         the same action (actions are frozen), neither decoded nor parsed again."""
         key = ("act", self._tools_key, turn, tuple(response_ids))
-        action = self.chat.repeats.get(key)
-        if action is None:
+        known: tuple[AssistantAction, Hashable, int] | None = self.chat.repeats.get(key)
+        if known is None:
             text = self.chat.decode_for_parsing(response_ids)
             parser = self.parser
             action = AssistantAction.plain(text) if parser is None else parser.parse(text, turn)
-            self.chat.repeats.put(key, action)
-        self.messages.extend(self._joined([action.message()]))
+            _, frozen, chars = self._mark(action.message())
+            known = (action, frozen, chars)
+            self.chat.repeats.put(key, known)
+        action, frozen, chars = known
+        message = action.message()  # a dict of this dialog's own, marked as the kept one
+        self._marks[id(message)] = (message, frozen, chars)
+        self._chars_seen += chars
+        self.messages.append(message)
         return action
 
     def continuation(
@@ -313,8 +331,7 @@ class Dialog:
         """What the template writes after the last assistant turn's text, then ``new``:
         rendered with that turn's text replaced by a sentinel, cut after it. The
         end-of-turn token is left out when the response already ends with it."""
-        placeholder = {"role": "assistant", "content": _SENTINEL}
-        rendered = self._render([*history[:-1], placeholder, *new], generation_prompt)
+        rendered = self._render([*history[:-1], _PLACEHOLDER, *new], generation_prompt)
         cut = rendered.rfind(_SENTINEL)
         if cut < 0:
             raise ValueError("the chat template dropped the assistant message content")

@@ -108,10 +108,15 @@ class EnvCaller:
         self, runner: RunsTools, action: AssistantAction, turn: int
     ) -> AssistantAction:
         """``action`` with the results of its tool calls, run by the env's ``runner``;
-        timed and limited like an env call (``env_timeout_s``), a failure ``EnvFailed``."""
+        timed and limited like an env call (``env_timeout_s``), a failure ``EnvFailed``.
+        Calls that all run inline (the runner's ``run_inline`` answers) run at once: a
+        timer could not stop them on the loop, and it costs ~8 µs a turn."""
         start = time.perf_counter()
         try:
-            results = await self._awaited(runner.run(action))
+            now = getattr(runner, "run_inline", None)  # no call waits: no await, no timer
+            results = None if now is None else now(action)
+            if results is None:
+                results = await self._awaited(runner.run(action))
         except Exception as exc:  # the runner's own failure (a tool's is a message)
             raise EnvFailed(exc, self.where("tool_runner.run", turn)) from exc
         finally:

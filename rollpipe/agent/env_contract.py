@@ -119,7 +119,8 @@ def env_tools(env: object) -> Sequence[Any]:
 
 class RunsTools(Protocol):
     """What the episode calls to run a turn's tool calls (``rollpipe.agent.tool_runner.
-    ToolRunner`` is the one rollpipe has)."""
+    ToolRunner`` is the one rollpipe has). A runner may also have ``run_inline(action)``:
+    the same results at once, or None where a call must be awaited (asked first)."""
 
     async def run(self, action: AssistantAction) -> ToolResults: ...
 

@@ -182,10 +182,23 @@ def _check_inline_time(fn: Any, name: str, elapsed: float) -> None:
         )
 
 
-def _counted(kind: str, cut: bool) -> tuple[str, ...]:
-    """The counts one call adds to: ``calls``, its kind unless it ran fine, ``cut``."""
-    keys = ("calls",) if kind == "calls" else ("calls", kind)
-    return (*keys, "cut") if cut else keys
+_METRIC_KEYS = tuple(f"tool/{k}" for k in TOOL_METRIC_KINDS)
+_COUNTED: dict[tuple[str, str, bool], tuple[str, ...]] = {}
+
+
+def _counted(kind: str, name: str, cut: bool) -> tuple[str, ...]:
+    """The counts one call of tool ``name`` adds to: ``calls``, its kind unless it ran
+    fine, ``cut``; each also per tool (``tool/calls/<name>``). Kept per (kind, name,
+    cut): the same few every turn."""
+    found = _COUNTED.get((kind, name, cut))
+    if found is None:
+        kinds = ("calls",) if kind == "calls" else ("calls", kind)
+        kinds = (*kinds, "cut") if cut else kinds
+        found = tuple(key for k in kinds for key in (f"tool/{k}", f"tool/{k}/{name}"))
+        if len(_COUNTED) >= 4096:  # tool names the model made up: bounded
+            _COUNTED.clear()
+        _COUNTED[(kind, name, cut)] = found
+    return found
 
 
 class ToolRunner:
@@ -224,10 +237,39 @@ class ToolRunner:
         self.tools, self.timeout_s = tools, timeout_s
         self.max_result_chars = max_result_chars
         self.threads = EnvThreads(max_threads, "rollpipe-tools")
+        # the tools run inline: declared blocking = False, and not coroutines (awaited)
+        self._inline = frozenset(
+            n for n in tools.inline if not inspect.iscoroutinefunction(tools.functions[n])
+        )
 
     async def run(self, action: AssistantAction) -> ToolResults:
         """One tool message per call (one for unreadable markup), and the counts."""
-        counts = dict.fromkeys((f"tool/{k}" for k in TOOL_METRIC_KINDS), 0.0)
+        now = self.run_inline(action)
+        if now is not None:
+            return now
+        return self._results(action, [await self._one(call) for call in action.tool_calls])
+
+    def run_inline(self, action: AssistantAction) -> ToolResults | None:
+        """:meth:`run`'s results, made at once where no call waits (each runs inline, or
+        cannot run: a bad call); None where one must be awaited (a blocking or coroutine
+        tool). The episode asks this first: such a turn needs no await and no timer (an
+        inline tool runs on the loop, where no timer can stop it anyway)."""
+        checked = []
+        for call in action.tool_calls:  # first see that none waits, then run them
+            kwargs = call.kwargs
+            problem = self._problem(call, kwargs)
+            if problem is None and call.name not in self._inline:
+                return None
+            checked.append((call.name, kwargs, problem))
+        outcomes = [
+            self._ran_inline(name, kwargs) if problem is None else problem
+            for name, kwargs, problem in checked
+        ]
+        return self._results(action, outcomes)
+
+    def _results(self, action: AssistantAction, outcomes: list[Shown]) -> ToolResults:
+        """The tool messages and counts of ``action``'s calls, given each one's outcome."""
+        counts = dict.fromkeys(_METRIC_KEYS, 0.0)
         messages: list[dict[str, Any]] = []
         images: list[ContentPart] = []  # the calls' images, shown after their messages
         if action.parse_error is not None:
@@ -235,14 +277,12 @@ class ToolRunner:
             counts["tool/malformed"] += 1
             text = f"error: the tool call could not be read: {action.parse_error}"
             messages.append({"role": "tool", "content": text})
-        for call in action.tool_calls:
-            kind, text, pictures, cut = await self._one(call)
+        for call, (kind, text, pictures, cut) in zip(action.tool_calls, outcomes, strict=True):
             if kind != "calls":  # an error message: bounded like a result
                 text, cut = _cut(text, self.max_result_chars)
             images.extend(pictures)
-            for key in _counted(kind, cut):
-                counts[f"tool/{key}"] += 1
-                counts[f"tool/{key}/{call.name}"] = counts.get(f"tool/{key}/{call.name}", 0) + 1
+            for key in _counted(kind, call.name, cut):
+                counts[key] = counts.get(key, 0) + 1
             messages.append(dict(tool_message(call.id, call.name, text)))
         if images:
             messages.append({"role": "user", "content": images})
@@ -256,24 +296,36 @@ class ToolRunner:
         problem = self._problem(call, kwargs)
         if problem is not None:
             return problem
+        if call.name in self._inline:  # declared fast: cheaper than a thread hop
+            return self._ran_inline(call.name, kwargs)
         fn, name = self.tools.functions[call.name], call.name
         limit = self.max_result_chars
         try:
             if inspect.iscoroutinefunction(fn):
                 return shown(name, await asyncio.wait_for(fn(**kwargs), self.timeout_s), limit)
-            if call.name in self.tools.inline:  # declared fast: cheaper than a thread hop
-                start = time.perf_counter()
-                outcome = shown(name, fn(**kwargs), limit)
-                _check_inline_time(fn, name, time.perf_counter() - start)
-                return outcome
             run = functools.partial(_run_shown, fn, kwargs, name, limit)
             result: Shown = await self.threads.call(run, timeout=self.timeout_s)
             return result
         except (TimeoutError, EnvTimeoutError):
-            late = f"error: {name} returned no result within {self.timeout_s} s"
-            return _failed("timeouts", late)
+            return self._late(name)
         except Exception as exc:  # the tool's failure is the model's observation
             return _failed("errors", f"error: {name} raised {type(exc).__name__}: {exc}")
+
+    def _ran_inline(self, name: str, kwargs: dict[str, Any]) -> Shown:
+        """The outcome of running tool ``name`` (declared ``blocking = False``) here."""
+        fn = self.tools.functions[name]
+        try:
+            start = time.perf_counter()
+            outcome = shown(name, fn(**kwargs), self.max_result_chars)
+            _check_inline_time(fn, name, time.perf_counter() - start)
+            return outcome
+        except (TimeoutError, EnvTimeoutError):
+            return self._late(name)
+        except Exception as exc:  # the tool's failure is the model's observation
+            return _failed("errors", f"error: {name} raised {type(exc).__name__}: {exc}")
+
+    def _late(self, name: str) -> Shown:
+        return _failed("timeouts", f"error: {name} returned no result within {self.timeout_s} s")
 
     def _problem(self, call: ToolCall, kwargs: dict[str, Any]) -> Shown | None:
         """The ``malformed`` (or ``errors``: nothing to run) outcome of a call with
