@@ -117,7 +117,8 @@ def tests(session: nox.Session) -> None:
 @nox.session(python=False)
 def distributed(session: nox.Session) -> None:
     """Past one process (tests/distributed): Ray clusters of several nodes on one machine,
-    episode workers, node and worker faults, a SIGKILL'd driver resuming, weight broadcast.
+    episode workers, node and worker faults, a SIGKILL'd driver resuming, weight broadcast,
+    the vLLM server engine and ``rollpipe run`` with engines in their own processes.
     The main test session does not collect them (its 15-minute budget). They run in the
     ``tests`` session's virtualenv (the same extras): it is built first if missing, and CI
     saves a second install of torch and vLLM."""

@@ -126,23 +126,6 @@ def test_a_server_that_is_down_is_a_clear_error(capsys):
     assert url in printed
 
 
-def test_run_on_two_engines_in_their_own_processes(tmp_path):
-    """``rollpipe run --engines 2``: a pool of two multiprocess vLLM engines, as a user
-    runs it (a fresh interpreter: vLLM spawns each engine core)."""
-    out = tmp_path / "out"
-    args = ["--engines", "2", "--batches", "2", "--batch-size", "8", "--group-size", "4"]
-    result = subprocess.run(
-        [sys.executable, "-m", "rollpipe", "run", *args, "--max-turns", "2", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "2 vllm engines" in result.stdout and "total" in result.stdout
-    records = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
-    assert len(records) == 16 and len({r["traj_uid"] for r in records}) == 16
-
-
 def test_run_defaults_to_the_warm_start_which_plays(tmp_path, capsys):
     """`rollpipe run` with no --model uses the shipped warm start, and it wins episodes
     (the random tiny model never writes a valid answer)."""

@@ -3,7 +3,8 @@
 vLLM's server cannot be made to drop one chosen connection on cue, so the peer here is a
 raw TCP listener that closes the first ``drops`` connections as soon as a request
 arrives (what a kept-alive connection closing under a reused request looks like to the
-client) and answers the rest. The vLLM server itself is covered in test_engine_server.py.
+client) and answers the rest. The vLLM server itself is covered in
+tests/distributed/test_engine_server.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A weight sync that never finishes fails in time, naming the engine and the version,
 and leaves the engine dead so that no later call hangs either (Ray actor here; the vLLM
-server case is in ``test_engine_server.py``, which shares its server).
+server case is in ``tests/distributed/test_engine_server.py``, which shares its server).
 
 A hung weight sync with no error is the most reported rollout bug in the peers' trackers;
 before, ``RayEngine.update_weights`` waited for ever on an actor that never answered.

@@ -1,5 +1,7 @@
-"""The distributed tests: Ray clusters of several nodes on one machine, episode workers,
-node and worker faults, a driver killed with SIGKILL, weights sent by broadcast.
+"""The tests past one process: Ray clusters of several nodes on one machine, episode
+workers, node and worker faults, a driver killed with SIGKILL, weights sent by broadcast,
+a vLLM OpenAI server process (``ServerEngine``) and ``rollpipe run`` with engines in their
+own processes.
 
 They run in their own session (``nox -s distributed``, which sets
 ``ROLLPIPE_DISTRIBUTED=1``) so the main test session stays under its time budget; the
