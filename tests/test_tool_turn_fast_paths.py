@@ -9,25 +9,32 @@
   format) gives the ids a dialog on a fresh format (nothing kept) gives;
 * a tool whose schema says all its signature does (``ToolSet.bound_by_schema``) binds
   every argument set the schema check lets through, so skipping ``inspect``'s bind
-  changes nothing.
+  changes nothing;
+* template forms whose tool schemas and call arguments keep their JSON
+  (``template.KeptJson``) render as the plain dicts do, every time;
+* ``ToolRunner.run_inline`` gives what ``run`` gives for calls that need no await, runs
+  nothing (None) when one does, and a call checked before is checked alike.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 from typing import Any
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tool_support import tools_model_path
 
+from rollpipe.agent.actions import AssistantAction, ToolCall
 from rollpipe.agent.chat import ChatFormat, template_message
 from rollpipe.agent.dialog import Dialog
 from rollpipe.agent.repeats import frozen_message
-from rollpipe.agent.template import template_renderer
-from rollpipe.agent.tool_runner import argument_problem
+from rollpipe.agent.template import KeptJson, template_renderer
+from rollpipe.agent.tool_runner import ToolRunner, argument_problem
 from rollpipe.agent.tools import ToolSet
 from rollpipe.training.tiny_model import default_model_path
 
@@ -116,6 +123,35 @@ def test_the_template_render_equals_apply_chat_template(
     assert render(shown, generation_prompt, tools) == slow
 
 
+def plain(value: Any) -> Any:
+    """``value`` with every dict a plain ``dict`` (no ``KeptJson``)."""
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    return value
+
+
+@settings(max_examples=100, deadline=None)
+@given(messages=conversations(), generation_prompt=st.booleans())
+def test_kept_json_renders_as_plain_dicts_every_time(
+    tokenizers: dict[str, Any], messages: list[dict[str, Any]], generation_prompt: bool
+) -> None:
+    tokenizer = tokenizers["tools"]
+    render = template_renderer(tokenizer)
+    assert render is not None
+    shown = [template_message(m) for m in messages]  # call arguments: KeptJson
+    kept = [KeptJson(s) for s in ToolSet([add, echo]).schemas]
+    slow = tokenizer.apply_chat_template(
+        plain(shown),
+        tokenize=False,
+        add_generation_prompt=generation_prompt,
+        tools=plain(list(ToolSet([add, echo]).schemas)),
+    )
+    assert render(shown, generation_prompt, kept) == slow  # dumped, then kept
+    assert render(shown, generation_prompt, kept) == slow  # the kept text
+
+
 SCALARS = st.one_of(
     st.none(), st.booleans(), st.integers(-3, 3), st.floats(-2, 2, allow_nan=False), TEXT
 )
@@ -164,7 +200,7 @@ def test_kept_turns_give_the_ids_of_a_dialog_with_nothing_kept(
     shared = ChatFormat(tokenizers["tools"], tool_parser="hermes")
     tools = ToolSet([add, echo])
 
-    def play(chat: ChatFormat) -> tuple[list[int], int]:
+    def play(chat: ChatFormat) -> tuple[list[int], int, list[dict[str, Any]], str]:
         dialog = Dialog(chat, tools)
         ids = dialog.first_prompt(first)
         for t, (name, arguments, results) in enumerate(turns):
@@ -182,7 +218,7 @@ def test_kept_turns_give_the_ids_of_a_dialog_with_nothing_kept(
             ] or [{"role": "user", "content": results[-1]}]
             more, _ = dialog.continuation(new, response)
             ids = [*ids, *response, *more]
-        return ids, dialog.prefix_breaks
+        return ids, dialog.prefix_breaks, dialog.messages, dialog.text
 
     kept = play(shared)
     if twice:  # the second time, every turn is a kept one
@@ -226,3 +262,93 @@ def test_a_tool_whose_schema_says_less_than_its_signature_is_not_bound_by_it() -
         functions={"echo": echo},
     )
     assert tools.bound_by_schema == frozenset() and loose.bound_by_schema == frozenset()
+
+
+RAN: list[str] = []
+
+
+def noted(text: str) -> str:
+    """Repeat the text (noted as run).
+
+    Args:
+        text: what to repeat
+    """
+    RAN.append(text)
+    return text
+
+
+noted.blocking = False  # type: ignore[attr-defined]
+
+
+def failing(text: str) -> str:
+    """Raise.
+
+    Args:
+        text: ignored
+    """
+    raise RuntimeError(f"no {text}")
+
+
+failing.blocking = False  # type: ignore[attr-defined]
+
+
+def slow_echo(text: str) -> str:
+    """Repeat the text on a tool thread.
+
+    Args:
+        text: what to repeat
+    """
+    RAN.append(text)
+    return text
+
+
+CALLS = st.lists(
+    st.tuples(
+        st.sampled_from(["noted", "failing", "slow_echo", "unknown"]),
+        st.one_of(
+            st.fixed_dictionaries({"text": TEXT}).map(json.dumps),
+            st.just('{"text": 1}'),
+            st.just("[1]"),
+            st.just("{"),
+        ),
+    ),
+    max_size=3,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(calls=CALLS, parse_error=st.one_of(st.none(), st.just("bad JSON")))
+def test_run_inline_gives_what_run_gives_or_runs_nothing(
+    calls: list[tuple[str, str]], parse_error: str | None
+) -> None:
+    runner = ToolRunner(ToolSet([noted, failing, slow_echo]), max_result_chars=8)
+    tool_calls = [ToolCall.from_json(f"call_{i}", n, a) for i, (n, a) in enumerate(calls)]
+    action = AssistantAction("", "", tool_calls, parse_error=parse_error)
+    try:
+        RAN.clear()
+        now = runner.run_inline(action)
+        ran_now = list(RAN)
+        RAN.clear()
+        awaited = asyncio.run(runner.run(action))
+        ran_awaited = list(RAN)
+        again = runner.run_inline(action)  # the calls' checks kept: the same again
+    finally:
+        runner.close()
+    runs = [c for c in tool_calls if c.name == "slow_echo" and c.error is None]
+    waits = any(argument_problem(runner.tools.parameters(c.name), c.kwargs) is None for c in runs)
+    if waits:  # a call to run on a thread: nothing ran inline
+        assert now is None and again is None and ran_now == []
+    else:
+        assert now is not None and again is not None
+        assert attrs.astuple(now) == attrs.astuple(awaited) == attrs.astuple(again)
+        assert (
+            ran_now
+            == ran_awaited
+            == [
+                c.kwargs.get("text")
+                for c in tool_calls
+                if c.name == "noted"
+                and c.error is None
+                and argument_problem(runner.tools.parameters("noted"), c.kwargs) is None
+            ]
+        )

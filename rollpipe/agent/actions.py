@@ -142,6 +142,20 @@ class AssistantAction:
             message["reasoning_content"] = self.reasoning
         return message
 
+    def with_results(self, results: ToolResults) -> AssistantAction:
+        """This action with ``results`` as its ``tool_results`` (built directly: a copy
+        or ``attrs.evolve`` costs 3-10 µs a turn).
+
+        Examples:
+            >>> action = AssistantAction("<tool_call>...</tool_call>", "")
+            >>> done = action.with_results(ToolResults([], {"tool/calls": 0.0}))
+            >>> done.tool_results.counts, done.text == action.text, action.tool_results
+            ({'tool/calls': 0.0}, True, None)
+        """
+        return AssistantAction(
+            self.text, self.content, self.tool_calls, self.parse_error, self.reasoning, results
+        )
+
     @classmethod
     def plain(cls, text: str) -> AssistantAction:
         """An action with no parser applied: all of ``text`` is content."""

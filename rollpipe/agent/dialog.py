@@ -125,10 +125,22 @@ class Dialog:
         )
 
     def first_prompt(self, observation: Observation) -> list[int]:
-        """Turn 0: system message, the env's first messages, the generation prompt."""
+        """Turn 0: system message, the env's first messages, the generation prompt. Kept
+        by the messages and tools (a group's episodes start alike): rendered and
+        tokenized once."""
         self.messages.extend(self._joined(as_messages(observation)))
-        self.text = self._render(self.messages, True)
-        return self.chat.encode(self.text)
+        frozen = [mark[1] for mark in self._marked(self.messages)]
+        key = None if None in frozen else ("first", self._tools_key, tuple(frozen))
+        known: tuple[str, tuple[int, ...]] | None = (
+            None if key is None else self.chat.repeats.get(key)
+        )
+        if known is None:
+            text = self._render(self.messages, True)
+            known = (text, tuple(self.chat.encode(text)))
+            if key is not None:
+                self.chat.repeats.put(key, known)
+        self.text = known[0]
+        return list(known[1])
 
     def act(self, response_ids: Sequence[int], turn: int) -> AssistantAction:
         """The response as an action (the model's parsers), added to the conversation. A

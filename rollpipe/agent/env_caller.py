@@ -5,7 +5,6 @@ call limited in time and its return checked; a failure of any kind becomes ``Env
 from __future__ import annotations
 
 import asyncio
-import copy
 import functools
 import inspect
 import logging
@@ -121,11 +120,7 @@ class EnvCaller:
             raise EnvFailed(exc, self.where("tool_runner.run", turn)) from exc
         finally:
             self.clock.env += time.perf_counter() - start
-        # the action with its results: a copy with that one field set (attrs.evolve would
-        # check and convert every field again: ~10 µs a turn)
-        done = copy.copy(action)
-        object.__setattr__(done, "tool_results", results)
-        return done
+        return action.with_results(results)
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the episode's env threads, the loop serving every other
