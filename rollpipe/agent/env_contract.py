@@ -195,6 +195,9 @@ def runs_own_episode(env: object) -> bool:
 AGG_MODES: tuple[str, ...] = ("mean", "sum", "min", "max", "first", "last")
 
 
+_PLAIN_NUMBERS = (float, int, bool)  # the types a step's metrics usually have
+
+
 def _number(name: str, value: Any) -> float:
     if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
         raise ValueError(
@@ -225,7 +228,10 @@ def step_metrics(info: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, s
             f"info['metrics_agg_mode'] must be a dict of names to {AGG_MODES}, got "
             f"{type(modes).__name__}"
         )
-    metrics = {str(k): _number(str(k), v) for k, v in raw.items()}
+    if all(type(k) is str and type(v) in _PLAIN_NUMBERS for k, v in raw.items()):
+        metrics = {k: float(v) for k, v in raw.items()}  # the usual: what _number gives
+    else:
+        metrics = {str(k): _number(str(k), v) for k, v in raw.items()}
     for k, mode in modes.items():
         if mode not in AGG_MODES:
             raise ValueError(

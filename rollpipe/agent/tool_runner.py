@@ -147,6 +147,9 @@ def shown(name: str, result: Any, limit: int | None) -> Shown:
     """The outcome of tool ``name`` returning ``result``: its text (a str as it is, else
     JSON) cut to ``limit`` characters, and its images; ``errors`` for a malformed parts
     list (the tool's bug, told to the model)."""
+    if type(result) is str:  # the usual result: no parts to look for
+        text, cut = _cut(result, limit)
+        return "calls", text, [], cut
     try:
         found = _result_parts(result, f"{name}'s result")
     except ValueError as exc:
