@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from rollpipe.agent.eager import started
 from rollpipe.agent.env_contract import is_blocking
 from rollpipe.agent.env_errors import EnvFailed
 from rollpipe.agent.env_threads import EnvLease, EnvThreads, EnvTimeoutError
@@ -134,11 +135,17 @@ class EnvCaller:
         return result
 
     async def _awaited(self, awaitable: Any) -> Any:
+        """``awaitable``'s result within ``timeout`` (from now); a coroutine that returns
+        without waiting (``rollpipe.agent.eager``) needs no timer."""
         if self.timeout is None:
             return await awaitable
+        deadline = asyncio.get_running_loop().time() + self.timeout
         try:
-            async with asyncio.timeout(self.timeout):  # no task of its own, as wait_for's
-                return await awaitable
+            done, rest = started(awaitable)
+            if done:
+                return rest
+            async with asyncio.timeout_at(deadline):  # no task of its own, as wait_for's
+                return await rest
         except TimeoutError:
             raise EnvTimeoutError(f"no return within {self.timeout} s") from None
 
