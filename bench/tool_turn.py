@@ -66,10 +66,18 @@ def echo(text: str) -> str:
 echo.blocking = False  # type: ignore[attr-defined]  # microseconds, pure: runs inline
 
 
+def echo_task(seed: int) -> tuple[str, str]:
+    """The task: echo the words with the tool."""
+    return f"Echo '{WORDS}' with the tool.", WORDS
+
+
+echo_task.blocking = False  # type: ignore[attr-defined]  # as EchoText: reset runs inline
+
+
 def EchoTools() -> ToolEnv:
     """A tool env that never ends by itself: every turn is one ``echo`` call."""
     return ToolEnv(
-        lambda seed: (f"Echo '{WORDS}' with the tool.", WORDS),
+        echo_task,
         [echo],
         lambda answer, truth: 0.0,
         max_tool_turns=10**6,
@@ -95,7 +103,7 @@ echo_fresh.blocking = False  # type: ignore[attr-defined]
 def EchoToolsFresh() -> ToolEnv:
     """``EchoTools`` whose every result is new: nothing a turn renders was seen before."""
     return ToolEnv(
-        lambda seed: (f"Echo '{WORDS}' with the tool.", WORDS),
+        echo_task,
         [echo_fresh],
         lambda answer, truth: 0.0,
         max_tool_turns=10**6,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import threading
 from typing import Any
 
 import attrs
@@ -32,10 +33,15 @@ from tool_support import tools_model_path
 from rollpipe.agent.actions import AssistantAction, ToolCall
 from rollpipe.agent.chat import ChatFormat, template_message
 from rollpipe.agent.dialog import Dialog
+from rollpipe.agent.env_caller import Clock, EnvCaller
+from rollpipe.agent.env_contract import is_blocking
+from rollpipe.agent.env_threads import EnvThreads
+from rollpipe.agent.records import EpisodeSpec
 from rollpipe.agent.repeats import frozen_message
 from rollpipe.agent.template import KeptJson, template_renderer
 from rollpipe.agent.tool_runner import ToolRunner, argument_problem
 from rollpipe.agent.tools import ToolSet
+from rollpipe.envs.tool_env import ToolEnv
 from rollpipe.training.tiny_model import default_model_path
 
 TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40)
@@ -352,3 +358,29 @@ def test_run_inline_gives_what_run_gives_or_runs_nothing(
                 and argument_problem(runner.tools.parameters("noted"), c.kwargs) is None
             ]
         )
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_a_tool_env_resets_inline_where_its_task_declares_blocking_false(inline: bool) -> None:
+    seen: list[str] = []
+
+    def task(seed: int) -> tuple[str, int]:
+        seen.append(threading.current_thread().name)
+        return "Go.", seed
+
+    if inline:
+        task.blocking = False  # type: ignore[attr-defined]
+    env = ToolEnv(task, [echo], lambda answer, truth: 0.0)
+    threads = EnvThreads(1, "test-env")
+    caller = EnvCaller(env, EpisodeSpec(0, 0, 1), threads, 5.0, None, False, Clock())
+
+    async def reset() -> Any:
+        return await caller("reset", 0, lambda result: result, 3)
+
+    try:
+        assert asyncio.run(reset())[0] == "Go."
+    finally:
+        threads.close(0.0)
+        env.close()
+    assert is_blocking(env) is not inline and env.blocking is not inline
+    assert (seen == [threading.current_thread().name]) is inline  # the loop's thread

@@ -150,9 +150,13 @@ def is_blocking(env: object) -> bool:
 
     The promise is not inherited: a subclass of ``FrozenLake`` that adds logging or I/O
     to ``step`` runs on env threads, where ``env_timeout_s`` applies, unless it repeats
-    the declaration itself.
+    the declaration itself. A class may declare it per instance with a ``blocking``
+    property in its body (``ToolEnv``: its task's own declaration).
     """
-    return vars(type(env)).get("blocking", True) is not False
+    declared = vars(type(env)).get("blocking", True)
+    if isinstance(declared, property):
+        declared = declared.__get__(env)
+    return declared is not False
 
 
 def is_async_env(env: object) -> bool:

@@ -240,11 +240,6 @@ class ToolRunner:
         self.tools, self.timeout_s = tools, timeout_s
         self.max_result_chars = max_result_chars
         self.threads = EnvThreads(max_threads, "rollpipe-tools")
-        self._checked: dict[int, tuple[ToolCall, Shown | None]] = {}  # _problem's, by call
-        # the tools run inline: declared blocking = False, and not coroutines (awaited)
-        self._inline = frozenset(
-            n for n in tools.inline if not inspect.iscoroutinefunction(tools.functions[n])
-        )
 
     async def run(self, action: AssistantAction) -> ToolResults:
         """One tool message per call (one for unreadable markup), and the counts."""
@@ -262,7 +257,7 @@ class ToolRunner:
         for call in action.tool_calls:  # first see that none waits, then run them
             kwargs = call.kwargs
             problem = self._problem(call, kwargs)
-            if problem is None and call.name not in self._inline:
+            if problem is None and call.name not in self.tools.inline:
                 return None
             checked.append((call.name, kwargs, problem))
         outcomes = [
@@ -300,7 +295,7 @@ class ToolRunner:
         problem = self._problem(call, kwargs)
         if problem is not None:
             return problem
-        if call.name in self._inline:  # declared fast: cheaper than a thread hop
+        if call.name in self.tools.inline:  # declared fast: cheaper than a thread hop
             return self._ran_inline(call.name, kwargs)
         fn, name = self.tools.functions[call.name], call.name
         limit = self.max_result_chars
@@ -333,19 +328,7 @@ class ToolRunner:
 
     def _problem(self, call: ToolCall, kwargs: dict[str, Any]) -> Shown | None:
         """The ``malformed`` (or ``errors``: nothing to run) outcome of a call with
-        ``kwargs`` (its own) that cannot run as written, else None; kept per call (a
-        frozen record: a parsed response seen again is the same action, calls and all)."""
-        known = self._checked.get(id(call))
-        if known is not None and known[0] is call:
-            return known[1]
-        problem = self._checked_call(call, kwargs)
-        if len(self._checked) >= 4096:
-            self._checked.clear()
-        self._checked[id(call)] = (call, problem)
-        return problem
-
-    def _checked_call(self, call: ToolCall, kwargs: dict[str, Any]) -> Shown | None:
-        """:meth:`_problem`, found."""
+        ``kwargs`` that cannot run as written, else None."""
         if call.name not in self.tools.names:
             known = ", ".join(self.tools.names) or "none"
             unknown = f"error: unknown tool {call.name!r}; the tools are: {known}"

@@ -43,7 +43,7 @@ from typing import Any, ClassVar, Literal
 
 from rollpipe.agent.actions import AssistantAction
 from rollpipe.agent.tool_runner import DEFAULT_MAX_RESULT_CHARS, ToolRunner, results_of
-from rollpipe.agent.tools import Tool, ToolSet
+from rollpipe.agent.tools import Tool, ToolSet, runs_inline
 from rollpipe.envs.base import EnvStateError, Info, check_seed
 
 __all__ = ["DEFAULT_TOOL_PROMPT", "ToolEnv"]
@@ -141,6 +141,27 @@ class ToolEnv:
         )
         self._truth: Any = None
         self._tool_turns = -1  # -1: not reset, or the episode ended
+
+    @property
+    def blocking(self) -> bool:
+        """Whether ``reset`` may block (the episode then runs it on an env thread): it
+        runs ``task``, unless the task declares ``blocking = False`` (fast and pure, as a
+        tool may: ``rollpipe.agent.tools.runs_inline``) or there is none (dataset rows);
+        then it runs inline, cheaper than the thread hop. ``step`` is awaited either way;
+        the tools and the verifier run on the tool runner's threads.
+
+        Examples:
+            >>> def task(seed: int) -> tuple[str, int]:
+            ...     return f"What is {seed} + 1?", seed + 1
+            >>> env = ToolEnv(task, [], lambda a, t: 0.0)
+            >>> env.blocking
+            True
+            >>> task.blocking = False
+            >>> env.blocking
+            False
+            >>> env.close()
+        """
+        return self.task is not None and not runs_inline(self.task)
 
     def reset(self, seed: int, row: Any = None) -> tuple[str, Info]:
         """A new task: the dataset's ``row`` when there is one, else ``task(seed)``.
