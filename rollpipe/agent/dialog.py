@@ -225,13 +225,23 @@ class Dialog:
             known: tuple[str, bool, str] | None = self.chat.repeats.get(key)
             if known is not None:
                 return known
-        said = self.chat.decode_text(response_ids, skip_special_tokens=False)
+        said = self._said(response_ids)
         if prompt is None:
             prompt = self._render(history[:-1], True)
         result = self._diff(history, prompt, new, said, response_ids)
         if key is not None:
             self.chat.repeats.put(key, result)
         return result
+
+    def _said(self, response_ids: Sequence[int]) -> str:
+        """The response's text with its special tokens, as the template shows it (kept by
+        the ids: a group's responses, and a model's, often repeat)."""
+        key = ("said", tuple(response_ids))
+        found: str | None = self.chat.repeats.get(key)
+        if found is None:
+            found = self.chat.decode_text(response_ids, skip_special_tokens=False)
+            self.chat.repeats.put(key, found)
+        return found
 
     def _encoded(self, text: str) -> Packed:
         """``text``'s ids and those packed (kept by the text)."""
@@ -294,9 +304,9 @@ class Dialog:
         messages = self.messages
         last = messages[-1] if messages else None
         kept = self._span_at
-        if kept is not None and kept[0] is messages and kept[1] == len(messages):
-            if kept[2] is last:
-                return kept[3]
+        same = kept is not None and kept[0] is messages and kept[2] is last
+        if same and kept is not None and kept[1] == len(messages):
+            return kept[3]
         span = self._found_span()
         self._span_at = (messages, len(messages), last, span)
         return span
