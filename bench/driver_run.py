@@ -1,6 +1,7 @@
-"""A training driver that checkpoints after every batch, for the SIGKILL tests.
+"""A training driver that checkpoints after every batch, for the SIGKILL tests and the
+fault campaign's ``sigkill`` points (``bench/driver_kill.py`` starts, kills and resumes it).
 
-``python driver_run.py WORKDIR --batches N --engine scripted|vllm`` runs a
+``python bench/driver_run.py WORKDIR --batches N --engine scripted|vllm`` runs a
 ``RolloutPipeline`` with a fixed seed. For each batch ``k`` it appends ``k DIGEST`` to
 ``WORKDIR/results.txt`` (fsynced), then saves ``{"batches": k + 1, "pipeline":
 pipe.state_dict()}`` with ``save_step_checkpoint`` into ``WORKDIR/checkpoints``. On
@@ -47,9 +48,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-PRELOAD = ["torch", "transformers", "rollpipe.pipeline", "rollpipe.engines.scripted"]
-PRELOAD += ["rollpipe.checkpoint", "transformers.models.auto.tokenization_auto", __name__]
-PRELOAD += ["vllm", "vllm.engine.arg_utils", "vllm.v1.engine.async_llm", "rollpipe.engines.vllm"]
+PRELOAD_SCRIPTED = ["torch", "transformers", "rollpipe.pipeline", "rollpipe.engines.scripted"]
+PRELOAD_SCRIPTED += ["rollpipe.checkpoint", "transformers.models.auto.tokenization_auto", __name__]
+PRELOAD = [*PRELOAD_SCRIPTED, "vllm", "vllm.engine.arg_utils", "vllm.v1.engine.async_llm"]
+PRELOAD += ["rollpipe.engines.vllm"]
+"""What the fork server imports once: ``PRELOAD_SCRIPTED`` for scripted drivers only."""
 RESULTS = "results.txt"
 CHECKPOINTS = "checkpoints"
 SEED = 11
