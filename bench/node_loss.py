@@ -25,13 +25,13 @@ import time
 from typing import Any
 
 from bench.common import BenchContext, Figures, median, rounded
+from bench.ray_nodes import ray_cluster
 from rollpipe.engines.pool import EnginePool
 from rollpipe.engines.ray_engine import RayEngine, WeightStore
 from rollpipe.engines.vllm import VLLMEngine
 from rollpipe.pipeline import PipelineConfig, RolloutPipeline
 
 KV_GIB = 0.25
-NODE_MEMORY = {"object_store_memory": 80 << 20}
 DEADLINE_S = 300.0  # for a state that must come (the benchmark fails past it)
 
 
@@ -50,12 +50,6 @@ def _config(ctx: BenchContext) -> PipelineConfig:
 def _rank_engine(make: Any, store: WeightStore, rank: int) -> RayEngine:
     placed = {"resources": {f"engine_{rank}": 1}}
     return RayEngine(make, num_cpus=1, weights=store, actor_options=placed)
-
-
-def _add_node(cluster: Any, role: str) -> Any:
-    node = cluster.add_node(num_cpus=1, resources={role: 1}, **NODE_MEMORY)
-    cluster.wait_for_nodes()
-    return node
 
 
 def _batch_with_death(
@@ -99,33 +93,23 @@ def _batch_with_death(
 
 
 def run(ctx: BenchContext) -> Figures:
-    import ray
-    from ray.cluster_utils import Cluster
-
     rounds = ctx.size(smoke=1, quick=2, full=3)
     config = _config(ctx)
-    if ray.is_initialized():  # another benchmark's session: this one needs its own cluster
-        ray.shutdown()
-    head = {"num_cpus": 1, "include_dashboard": False, **NODE_MEMORY}
-    cluster = Cluster(initialize_head=True, head_node_args=head)
     plain, with_death, to_batch, ratios, rerouted, notice = [], [], [], [], [], []
-    try:
-        lost = {role: _add_node(cluster, role) for role in ("engine_0", "engine_1")}
-        ray.init(address=cluster.address, log_to_driver=False)
+    with ray_cluster(("engine_0", "engine_1")) as nodes:  # another bench's session ends
         make = functools.partial(VLLMEngine, str(ctx.model_path), kv_cache_space_gib=KV_GIB)
         pool = EnginePool(functools.partial(_rank_engine, make, WeightStore()), 2)
         with pool, RolloutPipeline(config, pool, ctx.tokenizer) as pipe:
             pipe.get_batch()  # warm: both ranks have served, the envs are built
             for r in range(rounds):
                 if r:  # the lost rank back on a new node
-                    lost["engine_1"] = _add_node(cluster, "engine_1")
+                    nodes.add("engine_1")
                     pipe.expand_sampler([1])
                 start = time.perf_counter()
                 pipe.get_batch()
                 plain.append(time.perf_counter() - start)
                 before = pool.rerouted
-                node = lost.pop("engine_1")
-                kill = functools.partial(cluster.remove_node, node, allow_graceful=False)
+                kill = functools.partial(nodes.kill, "engine_1")
                 whole, after_kill, noticed = _batch_with_death(pipe, pool, kill)
                 notice.append(noticed)
                 with_death.append(whole)
@@ -137,9 +121,6 @@ def run(ctx: BenchContext) -> Figures:
                     f"({whole / plain[-1]:.2f}x), kill -> batch {after_kill:.2f} s, "
                     f"kill -> rank out {noticed:.2f} s, {rerouted[-1]} requests re-sent"
                 )
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
     figures: Figures = {
         "node_loss_rounds": rounds,
         "node_loss_trajectories": config.batch_size,

@@ -1,11 +1,12 @@
 """Ray engines and env workers on a cluster of several nodes on this machine.
 
-One ``ray.cluster_utils.Cluster`` per module: a head node that hosts nothing of ours (the
-driver joins it) and worker nodes each with a custom resource naming its role, so every
-actor lands where its options ask: ``engine_0`` and ``engine_1`` host the two ranks of an
-``EnginePool`` of ``RayEngine``s, ``envs`` hosts the env workers (``ray_env_factory`` with
-``{"resources": {"envs": ...}}``, given to the pipeline as its ``env_factory``). Placement
-is read from Ray's own actor table (GCS), not from rollpipe.
+One ``ray.cluster_utils.Cluster`` per module (``bench.ray_nodes``): a head node that
+hosts nothing of ours (the driver joins it) and worker nodes each with a custom resource
+naming its role, so every actor lands where its options ask: ``engine_0`` and
+``engine_1`` host the two ranks of an ``EnginePool`` of ``RayEngine``s, ``envs`` hosts
+the env workers (``ray_env_factory`` with ``{"resources": {"envs": ...}}``, given to the
+pipeline as its ``env_factory``). Placement is read from Ray's own actor table (GCS),
+not from rollpipe.
 
 The tests run in order on the one cluster and one pipeline (its env workers start once,
 its batches are the granted groups in order): placement; the engine node killed mid-batch
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import sys
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -41,7 +43,8 @@ from rollpipe.envs.ray_env import ray_env_factory
 from rollpipe.pipeline import PipelineConfig, RolloutPipeline
 
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402  (after the importorskip)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root holds bench/
+from bench.ray_nodes import Nodes, ray_cluster  # noqa: E402  (after the importorskip)
 
 CONFIG = PipelineConfig(
     group_size=2,
@@ -53,46 +56,14 @@ CONFIG = PipelineConfig(
     sampling={"max_tokens": 128, "ignore_eos": True},  # long turns: a kill lands mid-request
 )
 ENV_WORKERS = ray_env_factory(num_cpus=0.25, actor_options={"resources": {"envs": 0.01}})
-NODE_MEMORY = {"object_store_memory": 80 << 20}
 DEADLINE_S = 180  # a deadline for states that must come, never an expected duration
-
-
-@attrs.define
-class Nodes:
-    """The module's cluster and its worker nodes by role (a lost node leaves the dict)."""
-
-    cluster: Any
-    by_role: dict[str, Any]
-
-    def add(self, role: str, num_cpus: int = 1) -> Any:
-        node = self.cluster.add_node(num_cpus=num_cpus, resources={role: 1}, **NODE_MEMORY)
-        self.cluster.wait_for_nodes()
-        self.by_role[role] = node
-        return node
-
-    def kill(self, role: str) -> Any:
-        node = self.by_role.pop(role)
-        self.cluster.remove_node(node, allow_graceful=False)  # SIGKILL: raylet and workers
-        return node
-
-    def id(self, role: str) -> str:
-        return str(self.by_role[role].node_id)
 
 
 @pytest.fixture(scope="module")
 def nodes() -> Iterator[Nodes]:
     assert not ray.is_initialized(), "a Ray session from another module is still up"
-    head = {"num_cpus": 1, "include_dashboard": False, **NODE_MEMORY}
-    cluster = Cluster(initialize_head=True, head_node_args=head)
-    try:
-        found = Nodes(cluster, {})
-        for role in ("engine_0", "engine_1", "envs"):
-            found.add(role)
-        ray.init(address=cluster.address, log_to_driver=False)
+    with ray_cluster(("engine_0", "engine_1", "envs")) as found:
         yield found
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 @pytest.fixture(scope="module")
