@@ -31,7 +31,15 @@ for the fresh arms.
 
 The run holds torch to one intra-op thread (restored after), as ``turn_cost.py`` does:
 the figures are what one core does (collation's tensor fills otherwise spin OpenMP
-threads on a busy machine).
+threads on a busy machine). Each run starts after a ``gc.collect()``: a full collection
+(0.2-0.4 s in this process) triggered by earlier runs' garbage otherwise lands in
+whichever run crosses the threshold. The tool env's task declares ``blocking = False``,
+as the text env does, so both reset inline (``ToolEnv.blocking``).
+
+Figures (2026-12-02, quick, the shared 2-core machine, two runs): tool ÷ text 2.00 /
+1.52 at 8 turns, 2.46 / 1.75 at 32, 2.07 / 1.50 at 128, fresh 1.70 / 2.09 (tool 110-210
+µs a turn, text 53-125); before the issue-38 cuts (``8482300``) 2.8-3.9 and fresh
+2.9-3.3 (docs/performance.md).
 """
 
 from __future__ import annotations
