@@ -45,6 +45,7 @@ class KeptJson(dict):  # type: ignore[type-arg]
     (the template's sandbox cannot change it either)."""
 
     __slots__ = ("kept",)
+    kept: tuple[Any, str]  # (the filter, its text): set at the first render
 
 
 def template_renderer(tokenizer: Any) -> Render | None:
