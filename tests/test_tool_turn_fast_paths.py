@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import pickle
 import threading
 from typing import Any
 
@@ -156,6 +157,8 @@ def test_kept_json_renders_as_plain_dicts_every_time(
     )
     assert render(shown, generation_prompt, kept) == slow  # dumped, then kept
     assert render(shown, generation_prompt, kept) == slow  # the kept text
+    again = pickle.loads(pickle.dumps(kept))  # as a plain dict (its filter does not pickle)
+    assert again == kept and all(type(s) is dict for s in again)
 
 
 SCALARS = st.one_of(

@@ -47,6 +47,10 @@ class KeptJson(dict):  # type: ignore[type-arg]
     __slots__ = ("kept",)
     kept: tuple[Any, str]  # (the filter, its text): set at the first render
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled and copied as a plain dict (the filter it keeps does not pickle)."""
+        return (dict, (dict(self),))
+
 
 def template_renderer(tokenizer: Any) -> Render | None:
     """A render of ``tokenizer``'s chat template equal to its ``apply_chat_template``
