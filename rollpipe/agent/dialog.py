@@ -154,8 +154,7 @@ class Dialog:
             text = self.chat.decode_for_parsing(response_ids)
             parser = self.parser
             action = AssistantAction.plain(text) if parser is None else parser.parse(text, turn)
-            _, frozen, chars = self._mark(action.message())
-            known = (action, frozen, chars)
+            known = (action, *self._measured(action.message()))
             self.chat.repeats.put(key, known)
         action, frozen, chars = known
         message = action.message()  # a dict of this dialog's own, marked as the kept one
@@ -288,13 +287,17 @@ class Dialog:
         changes a message it returned, after returning it, is not seen)."""
         mark = self._marks.get(id(message))
         if mark is None or mark[0] is not message:
-            try:
-                frozen: Hashable = self.chat.repeats.number(frozen_message(message))
-            except TypeError:
-                frozen = None
-            mark = self._marks[id(message)] = (message, frozen, _chars([message]))
+            mark = self._marks[id(message)] = (message, *self._measured(message))
             self._chars_seen += mark[2]
         return mark
+
+    def _measured(self, message: Mapping[str, Any]) -> tuple[Hashable, int]:
+        """``message``'s frozen form's number (None: not frozen) and its text size."""
+        try:
+            frozen: Hashable = self.chat.repeats.number(frozen_message(message))
+        except TypeError:
+            frozen = None
+        return frozen, _chars([message])
 
     def _span(self) -> tuple[int, int] | None:
         """``(head, last)``: the window is ``messages[:head] + messages[last:]``; None when
