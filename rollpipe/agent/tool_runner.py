@@ -32,7 +32,9 @@ loop's own timer), their results made into message text (JSON, the cut) there to
 huge result costs only its own episode; coroutine tools are awaited with
 ``asyncio.wait_for``; a tool declared ``blocking = False`` (``rollpipe.agent.tools.
 runs_inline``: fast and pure, as the calculator) runs inline, cheaper than the thread
-hop. The calls of one turn run one after another, in the order the model wrote them.
+hop; a turn whose calls all run inline (or cannot run) is answered at once
+(``ToolRunner.run_inline``: no await, no timer). The calls of one turn run one after
+another, in the order the model wrote them.
 """
 
 from __future__ import annotations
