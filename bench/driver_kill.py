@@ -29,7 +29,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import attrs
 
@@ -94,6 +94,7 @@ class Driver:
         argv += [] if pause is None else ["--pause-in-write", pause]
         argv += ["--hold-at-end"] if hold_at_end else []
         self.proc: subprocess.Popen[str] | multiprocessing.process.BaseProcess
+        self.stdout: IO[str]
         if forked:
             context = multiprocessing.get_context("forkserver")
             reader, writer = context.Pipe(duplex=False)

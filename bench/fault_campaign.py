@@ -45,22 +45,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import faulthandler
+import functools
 import io
 import json
 import os
 import random
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 
+from bench.driver_kill import DriverSilent, forks, kill_and_resume, kill_live, random_plan
+from bench.driver_kill import reference as driver_reference
+from bench.driver_run import PRELOAD_SCRIPTED
+from bench.ray_nodes import ray_cluster
 from rollpipe.data.proto import DataProto
 from rollpipe.engines.backend import EngineLink
 from rollpipe.engines.base import BaseEngine
@@ -72,6 +80,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 REPORT_NAME = "fault_campaign.json"
 EPISODE_KINDS = ("text", "tool", "agent")
 ENGINES = ("scripted", "vllm", "workers")
+"""The engines of a fault kind that names none (``cluster`` and ``driver`` run only their own)."""
+ALL_ENGINES = (*ENGINES, "cluster", "driver")
 COUNTS = ("points", "lost", "duplicated", "unexpected", "hangs", "failed_checks")
 
 STEP_S = 0.0005
@@ -91,6 +101,9 @@ class FaultKind:
     expected: str
     check: Callable[[Run], list[str]] = lambda run: []
     engines: tuple[str, ...] = ENGINES
+    whole_run: Callable[[Setup, Tally, random.Random, float], None] | None = None
+    """For a kind whose points are a whole run outside this process (``sigkill``):
+    ``whole_run(setup, tally, rng, watchdog_s)`` makes and counts a run's points itself."""
 
 
 FAULTS: dict[str, FaultKind] = {}
@@ -146,12 +159,33 @@ class Run:
 
     def __init__(self, setup: Setup, episode_kind: str, engine_kind: str, seed: int) -> None:
         self.setup, self.episode_kind, self.engine_kind = setup, episode_kind, engine_kind
-        self.engine = setup.engine(engine_kind)
         self.tap = setup.taps[engine_kind]
+        self.hung = threading.Event()  # set by the watchdog: waits in a point end
+        self._cluster: contextlib.ExitStack | None = None
+        if engine_kind == "cluster":  # a cluster of its own: a run kills its nodes
+            self._cluster = contextlib.ExitStack()
+            self.nodes = self._cluster.enter_context(ray_cluster(CLUSTER_ROLES))
+            self.engine = self._cluster.enter_context(setup.cluster_pool())
+        else:
+            self.engine = setup.engine(engine_kind)
         self.config = setup.config(episode_kind, seed, engine_kind)
         self.weights = setup.weights(engine_kind)
         self.pipe = self.new_pipeline()
         self.notes: list[str] = []  # what a kind's check found
+
+    def on_hang(self) -> None:
+        """The watchdog's: end the point's waits and close the pipeline."""
+        self.hung.set()
+        self.pipe.close()
+
+    def close(self) -> None:
+        """Close the pipeline, and the run's cluster if it has one (its pool first)."""
+        try:
+            self.close_pipeline()
+        finally:
+            if self._cluster is not None:
+                self.setup.cluster_counts.update(rerouted_by_node_loss=self.engine.rerouted)
+                self._cluster.close()
 
     def new_pipeline(self) -> RolloutPipeline:
         self.kills = 0  # episode workers killed in this pipeline
@@ -323,6 +357,135 @@ def worker_kill(run: Run, rng: random.Random) -> DataProto:
     return run.during_batch(rng, kill)
 
 
+CLUSTER_ROLES = ("engine_0", "engine_1")
+"""The worker nodes of a ``cluster`` run: rank ``r`` of its pool on ``engine_r``."""
+
+
+def _cluster_whole(run: Run) -> list[str]:
+    ranks, failures = run.engine.active_ranks, run.engine.failures()
+    if ranks == [0, 1] and not failures:
+        return []
+    return [f"pool ranks after the new node: {ranks}, failures {sorted(failures)}"]
+
+
+def _until(run: Run, done: Callable[[], bool], what: str) -> None:
+    """Wait for ``done()`` (checked every 5 ms: the latency of noticing it), or until the
+    watchdog fires for this point."""
+    while not done():
+        if run.hung.wait(0.005):
+            raise RuntimeError(f"the watchdog fired waiting for {what}")
+
+
+@fault_kind(
+    "node_kill",
+    expected="the Ray node of an engine rank (one with requests in flight, if any) is "
+    "SIGKILLed mid-batch: the pool takes the rank out and re-sends its requests; a new node "
+    "and expand_sampler bring it back before the next point; the batch is the in-process "
+    "reference's",
+    check=_cluster_whole,
+    engines=("cluster",),
+)
+def node_kill(run: Run, rng: random.Random) -> DataProto:
+    pool, lost = run.engine, {}
+
+    def kill() -> None:
+        busy = [load.rank for load in pool.loads() if load.requests]
+        rank = rng.choice(busy or pool.active_ranks)
+        run.nodes.kill(f"engine_{rank}")
+        lost["rank"] = rank
+        run.setup.cluster_counts.update(node_kills=1, killed_with_requests=bool(busy))
+
+    batch = run.during_batch(rng, kill)
+    rank = lost["rank"]
+    # the pool notices a death when a request to the rank fails: wait for that if some
+    # are in flight there; a death no request saw yet is taken out as a shrink would
+    _until(
+        run,
+        lambda: (
+            rank in pool.failures()
+            or not any(load.rank == rank and load.requests for load in pool.loads())
+        ),
+        f"the pool to take out rank {rank}",
+    )
+    if rank not in pool.failures():
+        run.setup.cluster_counts.update(unseen_deaths_shrunk=1)
+        run.pipe.shrink_sampler([rank])
+    run.nodes.add(f"engine_{rank}")
+    run.pipe.expand_sampler([rank])
+    return batch
+
+
+def _no_batch(run: Run, rng: random.Random) -> DataProto:
+    raise TypeError("sigkill points are whole runs (FaultKind.whole_run), not one batch")
+
+
+LANDINGS = {
+    "mid-write": "landed_mid_checkpoint_write",
+    "between result": "landed_between_batch_and_checkpoint",
+    "after checkpoint": "landed_after_checkpoint",
+    "making the first": "landed_making_first_batch_after_resume",
+    "held at the end": "landed_after_last_batch",
+}
+
+
+def _landing(where: str) -> str:
+    """A kill's landing (``bench.driver_kill.landing``) as a report key."""
+    return next((key for text, key in LANDINGS.items() if text in where), "landed_elsewhere")
+
+
+def sigkill_run(setup: Setup, tally: Tally, rng: random.Random, watchdog_s: float) -> None:
+    """``setup.batches`` SIGKILLs of the checkpointing driver (``bench/driver_run.py``,
+    scripted engine, FrozenLake) at random places over ``2 * setup.batches`` batches, each
+    restart resuming from its newest complete checkpoint; the finished results file
+    compared with an uninterrupted run's by digest: a batch missing is lost, one twice is
+    duplicated, one whose digest differs is unexpected (batches, not trajectories); a batch
+    made before a kill that differs from the reference, or a broken resume rule, fails the
+    kind's check; a driver silent for ``watchdog_s`` is a hang."""
+    kills, batches = setup.batches, 2 * setup.batches
+    ref = setup.driver_reference(batches)
+    plan = random_plan(rng, kills)
+    cell = ("sigkill", "text", "driver")
+    tally.add(cell, points=kills)
+    workdir = Path(tempfile.mkdtemp(prefix="killed-", dir=setup.scratch()))
+    try:
+        out = kill_and_resume(
+            workdir, batches, "scripted", plan, forked=True, deadline_s=watchdog_s
+        )
+    except DriverSilent as exc:
+        kill_live()
+        tally.add(cell, hangs=1)
+        tally.hung.append({"point": f"sigkill plan {plan}", "error": str(exc)[:300]})
+        return
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    made = Counter(k for k, _ in out.final)
+    tally.add(cell, lost=sum(k not in made for k in range(batches)))
+    tally.add(cell, duplicated=sum(n - 1 for n in made.values()))
+    tally.add(cell, unexpected=sum(not (0 <= k < batches and d == ref[k]) for k, d in out.final))
+    notes = out.notes + [
+        f"batch {k} made before a kill differs from the reference"
+        for k, d in out.printed
+        if 0 <= k < batches and d != ref[k]
+    ]
+    tally.add(cell, failed_checks=len(notes))
+    tally.failed += [f"sigkill plan {plan}: {n}" for n in notes]
+    setup.driver_counts.update(
+        kills=kills, restarts=kills + 1, batches_made=len(out.printed), batches=batches
+    )
+    setup.driver_counts.update(_landing(where) for where in out.landed)
+
+
+FAULTS["sigkill"] = FaultKind(
+    "sigkill",
+    _no_batch,
+    expected="the driver process SIGKILLed (mid-batch, between a batch and its checkpoint, "
+    "mid-checkpoint-write) and restarted resumes from its newest complete checkpoint; its "
+    "batches equal the uninterrupted run's bitwise (digests), none missing, none twice",
+    engines=("driver",),
+    whole_run=sigkill_run,
+)
+
+
 def _start_ray() -> None:
     import ray
 
@@ -429,6 +592,15 @@ class SteppedEngine(BaseEngine):
         self._attach(start, "a policy function")
 
 
+def _node_engine(call: list[int], answer: list[int]) -> SteppedEngine:
+    """A ``cluster`` rank's engine, built in its Ray actor: the scripted answers."""
+
+    def policy(prompt_ids: Sequence[int], params: Any) -> list[int]:
+        return call if len(prompt_ids) % 3 else answer  # as the in-process ranks answer
+
+    return SteppedEngine(policy, Tap(), STEP_S, "campaign-node")
+
+
 def _calculate_call(tokenizer: Any) -> list[int]:
     text = (
         '<tool_call>\n{"name": "calculate", "arguments": {"expression": "12 * 34"}}\n</tool_call>'
@@ -462,16 +634,70 @@ class Setup:
         self.batches = batches
         self.path = default_model_path(tools=True)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
-        self.taps = {kind: Tap() for kind in ENGINES}
+        self.taps = {kind: Tap() for kind in ALL_ENGINES}
         self._engines: dict[str, Any] = {}
         self._weights: dict[str, Any] = {}
         self.references: dict[tuple[str, str, int], list[Ids]] = {}
         self.worker_counts = Counter[str]()  # kills, replacements, episodes run again
+        self.cluster_counts = Counter[str]()  # node kills, re-sent requests
+        self.driver_counts = Counter[str]()  # SIGKILLs, restarts, where they landed
+        self._driver_refs: dict[int, list[str]] = {}
+        self._scratch: str | None = None
         register(
             "campaign_agent",
             lambda: AgentEnv(two_call_agent, task=lambda seed: f"What is {seed % 50} + 3?"),
             overwrite=True,
         )
+
+    def _answers(self) -> tuple[list[int], list[int]]:
+        """The scripted ranks' two answers: a calculator call, and a final answer."""
+        answer = [*self.tokenizer("It is 408.")["input_ids"], _eos(self.tokenizer)]
+        return _calculate_call(self.tokenizer), answer
+
+    @contextlib.contextmanager
+    def cluster_pool(self) -> Iterator[Any]:
+        """A two-rank ``EnginePool`` of ``RayEngine`` actors, rank ``r`` on the node with
+        resource ``engine_r``, each hosting a :class:`SteppedEngine` (the scripted
+        answers); requests counted on the driver by ``taps["cluster"]``."""
+        import ray
+
+        from rollpipe.engines.pool import EnginePool
+        from rollpipe.engines.ray_engine import RayEngine, WeightStore
+
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # SteppedEngine
+        tap, store = self.taps["cluster"], WeightStore()
+        make = functools.partial(_node_engine, *self._answers())
+
+        def rank_engine(rank: int) -> RayEngine:
+            placed = {"resources": {f"engine_{rank}": 1}}
+            engine = RayEngine(make, num_cpus=1, weights=store, actor_options=placed)
+            generate = engine.generate
+
+            async def tapped(prompt_ids: Any, params: Any, **kw: Any) -> Any:
+                tap.tick()
+                gen = await generate(prompt_ids, params, **kw)
+                tap.aborted += gen.finish_reason == "abort"  # on the pool's loop: one thread
+                return gen
+
+            engine.generate = tapped  # type: ignore[method-assign]
+            return engine
+
+        with EnginePool(rank_engine, 2) as pool:
+            yield pool
+
+    def driver_reference(self, batches: int) -> list[str]:
+        """The uninterrupted driver's digests for ``batches`` batches (made once)."""
+        if batches not in self._driver_refs:
+            forks(PRELOAD_SCRIPTED)  # drivers forked from a server with rollpipe imported
+            workdir = Path(tempfile.mkdtemp(prefix="reference-", dir=self.scratch()))
+            self._driver_refs[batches] = driver_reference(workdir, batches, "scripted", True)
+        return self._driver_refs[batches]
+
+    def scratch(self) -> str:
+        """A directory for the drivers' files, removed by :meth:`close`."""
+        if self._scratch is None:
+            self._scratch = tempfile.mkdtemp(prefix="fault-campaign-")
+        return self._scratch
 
     def engine(self, kind: str) -> Any:
         if kind not in self._engines:
@@ -483,10 +709,7 @@ class Setup:
         if kind in ("scripted", "workers"):  # workers: a pool of its own (its own counts)
             from rollpipe.engines.pool import EnginePool
 
-            call, answer = (
-                _calculate_call(self.tokenizer),
-                [*self.tokenizer("It is 408.")["input_ids"], _eos(self.tokenizer)],
-            )
+            call, answer = self._answers()
 
             def policy(prompt_ids: Sequence[int], params: Any) -> list[int]:
                 tap.tick()
@@ -511,7 +734,7 @@ class Setup:
 
     def weights(self, kind: str) -> Any:
         if kind not in self._weights:
-            if kind in ("scripted", "workers"):
+            if kind in ("scripted", "workers", "cluster"):
                 self._weights[kind] = {"w": torch.zeros(1)}  # a ScriptedEngine ignores them
             else:
                 from transformers import AutoModelForCausalLM
@@ -537,7 +760,7 @@ class Setup:
         )
 
     def reference(self, episode_kind: str, engine_kind: str, seed: int) -> list[Ids]:
-        if engine_kind == "workers":  # the in-process run is what workers must give
+        if engine_kind in ("workers", "cluster"):  # the in-process run is what they must give
             engine_kind = "scripted"
         key = (episode_kind, engine_kind, seed)
         if key not in self.references:
@@ -555,11 +778,19 @@ class Setup:
                 out[kind]["rerouted_by_shrink"] = engine.rerouted
             if kind == "workers":
                 out[kind] |= self.worker_counts
+        if self.cluster_counts:
+            tap = self.taps["cluster"]
+            out["cluster"] = {"requests": tap.requests, "aborted": tap.aborted}
+            out["cluster"] |= self.cluster_counts
+        if self.driver_counts:
+            out["driver"] = dict(self.driver_counts)
         return out
 
     def close(self) -> None:
         for engine in self._engines.values():
             engine.close()
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
 
 
 def identities(batch: DataProto | None) -> Ids:
@@ -600,9 +831,15 @@ def one_run(
     watchdog_s: float,
 ) -> None:
     """One pipeline, ``setup.batches`` points, compared with its reference."""
+    kinds = [k for k in FAULTS.values() if engine_kind in k.engines]
+    whole = [k for k in kinds if k.whole_run is not None]
+    if whole:  # points that are runs of their own (another process)
+        whole_run = rng.choice(whole).whole_run
+        assert whole_run is not None
+        whole_run(setup, tally, rng, watchdog_s)
+        return
     seed = rng.randrange(8)  # a few seeds per config: references are reused
     reference = setup.reference(episode_kind, engine_kind, seed)
-    kinds = [k for k in FAULTS.values() if engine_kind in k.engines]
     run = Run(setup, episode_kind, engine_kind, seed)
     got: list[Ids] = []
     owner: dict[tuple[int, int], str] = {}  # reference id -> the point of its batch
@@ -614,7 +851,7 @@ def one_run(
                 owner[ident] = kind.name
             tally.add(cell, points=1)
             where = f"{kind.name} on {episode_kind}/{engine_kind}, seed {seed}, batch {index}"
-            with Watchdog(watchdog_s, lambda: run.pipe.close()) as dog:
+            with Watchdog(watchdog_s, run.on_hang) as dog:
                 try:
                     batch = kind.inject(run, rng)
                 except BaseException as exc:
@@ -637,7 +874,7 @@ def one_run(
                 tally.add(cell, failed_checks=len(notes))
                 tally.failed += [f"{where}: {n}" for n in notes]
     finally:
-        run.close_pipeline()
+        run.close()
     yielded = {i for ids in got for i in ids}
     expected = {i for ids in reference for i in ids}
     for ident in expected - yielded:
@@ -656,19 +893,41 @@ def campaign(
     min_vllm_runs: int = 0,
     workers_share: float = 0.0,
     min_worker_runs: int = 0,
+    cluster_share: float = 0.0,
+    min_cluster_runs: int = 0,
+    driver_share: float = 0.0,
+    min_driver_runs: int = 0,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Run runs until ``points`` points are done (the first ``min_vllm_runs`` on vLLM,
-    then each on vLLM with probability ``vllm_share``); the report (see the module doc)."""
+    """Run runs until ``points`` points are done: first ``min_vllm_runs`` on vLLM, then
+    ``min_worker_runs`` on episode workers, ``min_cluster_runs`` on a cluster (node
+    kills), ``min_driver_runs`` of the SIGKILLed driver; then each run on one of those
+    with probability ``vllm_share``, ``workers_share``, ``cluster_share``,
+    ``driver_share``, else on the scripted pool. The report (see the module doc)."""
     start = time.monotonic()
     rng = random.Random(seed)
     setup, tally = Setup(batches), Tally()
+    shares = {"vllm": vllm_share, "workers": workers_share}
+    shares |= {"cluster": cluster_share, "driver": driver_share}
+    first = ["vllm"] * min_vllm_runs + ["workers"] * min_worker_runs
+    first += ["cluster"] * min_cluster_runs + ["driver"] * min_driver_runs
+    if sum(shares.values()) > 1:
+        raise ValueError(f"campaign: the shares {shares} add up to more than 1")
+
+    def draw(runs: int) -> str:
+        if runs < len(first):
+            return first[runs]
+        r = rng.random()
+        for kind, share in shares.items():
+            if r < share:
+                return kind
+            r -= share
+        return "scripted"
+
     runs = 0
     try:
         while tally.total()["points"] < points:
-            on_vllm = runs < min_vllm_runs or rng.random() < vllm_share
-            on_workers = runs - min_vllm_runs < min_worker_runs or rng.random() < workers_share
-            engine_kind = "vllm" if on_vllm else "workers" if on_workers else "scripted"
+            engine_kind = draw(runs)
             episode_kind = EPISODE_KINDS[runs % len(EPISODE_KINDS)]
             one_run(setup, tally, rng, episode_kind, engine_kind, watchdog_s)
             runs += 1
@@ -711,6 +970,12 @@ def run(ctx: Any) -> dict[str, Any]:
         min_vllm_runs=1,
         workers_share=0.02,
         min_worker_runs=1,
+        # node kills and SIGKILLs cost seconds a point: not in the smoke (their test in
+        # tests/distributed/test_fault_campaign_nodes.py covers them), a run each else
+        cluster_share=0.0 if ctx.smoke else 0.002,
+        min_cluster_runs=0 if ctx.smoke else 1,
+        driver_share=0.0 if ctx.smoke else 0.002,
+        min_driver_runs=0 if ctx.smoke else 1,
         log=ctx.log,
     )
     if ctx.results_dir is not None:
@@ -734,6 +999,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--workers-share", type=float, default=0.02, help="share of runs on episode workers"
     )
+    parser.add_argument(
+        "--cluster-share",
+        type=float,
+        default=0.002,
+        help="share of runs on a Ray cluster of several nodes (node_kill points)",
+    )
+    parser.add_argument(
+        "--driver-share",
+        type=float,
+        default=0.002,
+        help="share of runs of the SIGKILLed driver (sigkill points)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--watchdog-s", type=float, default=300.0, help="a point over this hangs")
     parser.add_argument("--out", type=Path, default=RESULTS / REPORT_NAME)
@@ -748,6 +1025,10 @@ def main(argv: list[str] | None = None) -> int:
         min_vllm_runs=1,
         workers_share=args.workers_share,
         min_worker_runs=1,
+        cluster_share=0.0 if args.smoke else args.cluster_share,
+        min_cluster_runs=0 if args.smoke else 1,
+        driver_share=0.0 if args.smoke else args.driver_share,
+        min_driver_runs=0 if args.smoke else 1,
     )
     report["command"] = "python -m bench.fault_campaign " + " ".join(argv or sys.argv[1:])
     text = json.dumps(report, indent=2) + "\n"
