@@ -1,31 +1,42 @@
 """Fault campaign: random fault points over text, tool and agent episodes; nothing may be
 lost, duplicated or hang.
 
-``python -m bench.fault_campaign --points 10000`` (``--smoke``: 18 points; ``python -m
-bench.run --only fault_campaign``). A *run* is one pipeline on one episode kind — ``text``
-(FrozenLake), ``tool`` (the calculator ``ToolEnv``, hermes calls) or ``agent`` (an
-``AgentEnv`` whose ``openai`` client makes two calls through the front door) — and one
-engine: ``scripted`` (a two-rank ``EnginePool`` of :class:`SteppedEngine`: a scripted
-answer, one token every :data:`STEP_S`, so points find requests in flight; cheap, most
-points) or ``vllm`` (the tiny tools model on the in-process ``VLLMEngine``; ``--vllm-share``
-of the runs) or ``workers`` (the scripted pool, the episodes run in two episode workers,
-``rollout={"episode_workers": 2}``, Ray actors; ``--workers-share`` of the runs, compared
-with the *in-process* scripted reference: same ids). Each of its ``--batches`` batches is
-one *point*: a fault kind drawn from :data:`FAULTS` is injected at a random place in it. The
-run's trajectory ids (group id, episode id) are compared with an uninterrupted reference run
-of the same config and seed: **lost** (in the reference, never yielded), **duplicated**
-(yielded more than once), **unexpected** (yielded, not in the reference) are counted against
-the point whose batch showed them, with the kind's own check (:attr:`FaultKind.check`). A
-**hang** is a point that does not finish within ``--watchdog-s`` (generous: points take
-milliseconds to seconds): the watchdog records the point, dumps every thread's stack to
-stderr and closes the pipeline, which wakes a blocked ``get_batch``; no wait in a point is
-timed (each waits for an event: the n-th engine request, the batch's return).
+``python -m bench.fault_campaign --points 10000`` (``--smoke``: 18 points, no cluster or
+driver run; ``python -m bench.run --only fault_campaign``). A *run* is one pipeline on one
+episode kind — ``text`` (FrozenLake), ``tool`` (the calculator ``ToolEnv``, hermes calls)
+or ``agent`` (an ``AgentEnv`` whose ``openai`` client makes two calls through the front
+door) — and one engine: ``scripted`` (a two-rank ``EnginePool`` of :class:`SteppedEngine`:
+a scripted answer, one token every :data:`STEP_S`, so points find requests in flight;
+cheap, most points) or ``vllm`` (the tiny tools model on the in-process ``VLLMEngine``;
+``--vllm-share`` of the runs) or ``workers`` (the scripted pool, the episodes run in two
+episode workers, ``rollout={"episode_workers": 2}``, Ray actors; ``--workers-share`` of the
+runs, compared with the *in-process* scripted reference: same ids) or ``cluster`` (a Ray
+cluster of several nodes on this machine, :mod:`bench.ray_nodes`: each rank of a two-rank
+pool of ``RayEngine`` actors, hosting the stepped scripted engine, on a node of its own;
+``--cluster-share``; the in-process scripted reference; ``node_kill`` points only) or
+``driver`` (the checkpointing driver process ``bench/driver_run.py``, FrozenLake on a
+scripted engine; ``--driver-share``; ``sigkill`` points only). Each of its ``--batches``
+batches is one *point*: a fault kind drawn from :data:`FAULTS` is injected at a random
+place in it. The run's trajectory ids (group id, episode id) are compared with an
+uninterrupted reference run of the same config and seed: **lost** (in the reference, never
+yielded), **duplicated** (yielded more than once), **unexpected** (yielded, not in the
+reference) are counted against the point whose batch showed them, with the kind's own check
+(:attr:`FaultKind.check`). A ``driver`` run is its own: its ``--batches`` points are
+SIGKILLs of the driver at random places over twice as many batches, each restart resuming
+from its newest complete checkpoint (:mod:`bench.driver_kill`), and its finished batches'
+digests are compared with an uninterrupted driver's: there lost, duplicated and unexpected
+count *batches*. A **hang** is a point that does not finish within ``--watchdog-s``
+(generous: points take milliseconds to seconds): the watchdog records the point, dumps
+every thread's stack to stderr and closes the pipeline, which wakes a blocked
+``get_batch``; no wait in a point is timed (each waits for an event: the n-th engine
+request, the batch's return).
 
 The report (``bench/results/fault_campaign.json``; ``--out`` elsewhere) gives points,
 lost, duplicated, unexpected, hangs and failed checks per fault kind, per episode kind,
 per engine and per (kind, episode kind), with the command and wall time, and per engine
-the requests, the aborted answers (regenerated) and the requests a shrink re-sent. Exit
-status 1 if any count is not 0.
+the requests, the aborted answers (regenerated) and the requests a shrink re-sent (the
+cluster: nodes killed, requests re-sent after a node's loss; the driver: kills, restarts
+and where each kill landed). Exit status 1 if any count is not 0.
 
 Adding a fault kind
 -------------------
@@ -37,8 +48,14 @@ fresh pipeline), ``expected`` says the outcome in words, ``check(run)`` returns 
 wrong beyond loss and duplication (empty: fine), ``engines`` where it applies. Register
 it with ``@fault_kind("my_kind", expected=..., engines=("scripted",))`` on the inject
 function; the loop, the reference comparison, the watchdog and the report pick it up
-with no other change (``worker_kill`` was added this way; a node's loss and a SIGKILLed
-driver are tested apart: tests/distributed/test_cluster_nodes.py, test_driver_kill.py).
+with no other change (``worker_kill`` and ``node_kill`` were added this way). A kind
+whose points are a whole run outside this process (``sigkill``) is a :class:`FaultKind`
+with ``whole_run(setup, tally, rng, watchdog_s)``, which makes and counts its points.
+
+Cluster and driver runs cost seconds a point (a node's death and a new node with a new
+actor; a process start per restart), so they are a small share of the runs (0.002 each,
+plus one run of each: about 30 points of each in 10,000) and not in ``--smoke``
+(tests/distributed/test_fault_campaign_nodes.py runs two points of each).
 """
 
 from __future__ import annotations
