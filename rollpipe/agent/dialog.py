@@ -98,8 +98,6 @@ class Dialog:
         # each message's template form (``template_message``) by id, made at its first render
         self._forms: dict[int, tuple[Mapping[str, Any], Mapping[str, Any]]] = {}
         self._schemas = tuple(KeptJson(s) for s in tools.schemas)  # the tools, as rendered
-        # _span's answer, and the conversation it was found on (list, length, last message)
-        self._span_at: tuple[Any, int, Any, tuple[int, int] | None] | None = None
         self._marked(self.messages)
 
     @property
@@ -282,9 +280,8 @@ class Dialog:
 
     def _mark(self, message: Mapping[str, Any]) -> tuple[Mapping[str, Any], Hashable, int]:
         """``(message, its frozen form's number (None: not frozen, e.g. an image), its text
-        size)``,
-        read once per message. A message is taken as it was when it joined (an env that
-        changes a message it returned, after returning it, is not seen)."""
+        size)``, read once per message. A message is taken as it was when it joined (an
+        env that changes a message it returned, after returning it, is not seen)."""
         mark = self._marks.get(id(message))
         if mark is None or mark[0] is not message:
             mark = self._marks[id(message)] = (message, *self._measured(message))
@@ -301,21 +298,7 @@ class Dialog:
 
     def _span(self) -> tuple[int, int] | None:
         """``(head, last)``: the window is ``messages[:head] + messages[last:]``; None when
-        that is the whole conversation or it does not end with an assistant turn. Found
-        once per turn (the off-loop check and the render both ask): kept while the
-        conversation (appended to only) ends with the same message."""
-        messages = self.messages
-        last = messages[-1] if messages else None
-        kept = self._span_at
-        same = kept is not None and kept[0] is messages and kept[2] is last
-        if same and kept is not None and kept[1] == len(messages):
-            return kept[3]
-        span = self._found_span()
-        self._span_at = (messages, len(messages), last, span)
-        return span
-
-    def _found_span(self) -> tuple[int, int] | None:
-        """:meth:`_span`, found."""
+        that is the whole conversation or it does not end with an assistant turn."""
         messages = self.messages
         if not messages or messages[-1].get("role") != "assistant":
             return None
