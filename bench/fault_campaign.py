@@ -12,24 +12,24 @@ cheap, most points) or ``vllm`` (the tiny tools model on the in-process ``VLLMEn
 episode workers, ``rollout={"episode_workers": 2}``, Ray actors; ``--workers-share`` of the
 runs, compared with the *in-process* scripted reference: same ids) or ``cluster`` (a Ray
 cluster of several nodes on this machine, :mod:`bench.ray_nodes`: each rank of a two-rank
-pool of ``RayEngine`` actors, hosting the stepped scripted engine, on a node of its own;
-``--cluster-share``; the in-process scripted reference; ``node_kill`` points only) or
-``driver`` (the checkpointing driver process ``bench/driver_run.py``, FrozenLake on a
-scripted engine; ``--driver-share``; ``sigkill`` points only). Each of its ``--batches``
-batches is one *point*: a fault kind drawn from :data:`FAULTS` is injected at a random
-place in it. The run's trajectory ids (group id, episode id) are compared with an
-uninterrupted reference run of the same config and seed: **lost** (in the reference, never
-yielded), **duplicated** (yielded more than once), **unexpected** (yielded, not in the
-reference) are counted against the point whose batch showed them, with the kind's own check
-(:attr:`FaultKind.check`). A ``driver`` run is its own: its ``--batches`` points are
-SIGKILLs of the driver at random places over twice as many batches, each restart resuming
-from its newest complete checkpoint (:mod:`bench.driver_kill`), and its finished batches'
-digests are compared with an uninterrupted driver's: there lost, duplicated and unexpected
-count *batches*. A **hang** is a point that does not finish within ``--watchdog-s``
-(generous: points take milliseconds to seconds): the watchdog records the point, dumps
-every thread's stack to stderr and closes the pipeline, which wakes a blocked
-``get_batch``; no wait in a point is timed (each waits for an event: the n-th engine
-request, the batch's return).
+pool of ``RayEngine`` actors, hosting the stepped scripted engine, on a node of its own,
+its two episode workers on a third; ``--cluster-share``; the in-process scripted reference;
+``node_kill`` points only) or ``driver`` (the checkpointing driver process
+``bench/driver_run.py``, FrozenLake on a scripted engine; ``--driver-share``; ``sigkill``
+points only). Each of its ``--batches`` batches is one *point*: a fault kind drawn from
+:data:`FAULTS` is injected at a random place in it. The run's trajectory ids (group id,
+episode id) are compared with an uninterrupted reference run of the same config and seed:
+**lost** (in the reference, never yielded), **duplicated** (yielded more than once),
+**unexpected** (yielded, not in the reference) are counted against the point whose batch
+showed them, with the kind's own check (:attr:`FaultKind.check`). A ``driver`` run is its
+own: its ``--batches`` points are SIGKILLs of the driver at random places over twice as
+many batches, each restart resuming from its newest complete checkpoint
+(:mod:`bench.driver_kill`), and its finished batches' digests are compared with an
+uninterrupted driver's: there lost, duplicated and unexpected count *batches*. A **hang**
+is a point that does not finish within ``--watchdog-s`` (generous: points take milliseconds
+to seconds): the watchdog records the point, dumps every thread's stack to stderr and
+closes the pipeline, which wakes a blocked ``get_batch``; no wait in a point is timed (each
+waits for an event: the n-th engine request, the batch's return).
 
 The report (``bench/results/fault_campaign.json``; ``--out`` elsewhere) gives points,
 lost, duplicated, unexpected, hangs and failed checks per fault kind, per episode kind,
@@ -181,7 +181,9 @@ class Run:
         self._cluster: contextlib.ExitStack | None = None
         if engine_kind == "cluster":  # a cluster of its own: a run kills its nodes
             self._cluster = contextlib.ExitStack()
-            self.nodes = self._cluster.enter_context(ray_cluster(CLUSTER_ROLES))
+            nodes = ray_cluster(CLUSTER_ROLES, {WORKERS_ROLE: WORKERS_NODE_CPUS})
+            self.nodes = self._cluster.enter_context(nodes)
+            self.node_kills = kill_turns(seed)  # engine node or workers node, in turn
             self.engine = self._cluster.enter_context(setup.cluster_pool())
         else:
             self.engine = setup.engine(engine_kind)
@@ -206,7 +208,7 @@ class Run:
 
     def new_pipeline(self) -> RolloutPipeline:
         self.kills = 0  # episode workers killed in this pipeline
-        if self.engine_kind != "workers":
+        if self.engine_kind not in ("workers", "cluster"):
             return RolloutPipeline(self.config, self.engine, self.setup.tokenizer)
         _start_ray()  # the workers build their envs themselves: the agent env by factory
         return RolloutPipeline(
@@ -215,9 +217,12 @@ class Run:
 
     def close_pipeline(self) -> None:
         """Close the pipeline, counting what its episode workers did first."""
-        workers = self.pipe.nodes.rollout.workers if self.engine_kind == "workers" else None
-        if workers is not None:
+        workers = self.pipe.nodes.rollout.workers
+        if workers is not None and self.engine_kind == "workers":
             self.setup.worker_counts.update(replaced=workers.replaced, reruns=workers.reruns)
+        elif workers is not None:  # on the cluster: replaced after their node's death
+            counts = {"workers_replaced": workers.replaced, "workers_reruns": workers.reruns}
+            self.setup.cluster_counts.update(counts)
         self.pipe.close()
 
     def replace_pipeline(self, state: dict[str, Any] | None = None) -> None:
@@ -374,8 +379,20 @@ def worker_kill(run: Run, rng: random.Random) -> DataProto:
     return run.during_batch(rng, kill)
 
 
-CLUSTER_ROLES = ("engine_0", "engine_1")
-"""The worker nodes of a ``cluster`` run: rank ``r`` of its pool on ``engine_r``."""
+WORKERS_ROLE, WORKERS_NODE_CPUS = "workers", 2
+CLUSTER_ROLES = ("engine_0", "engine_1", WORKERS_ROLE)
+"""The worker nodes of a ``cluster`` run: rank ``r`` of its pool on ``engine_r``, its two
+episode workers on ``workers``."""
+WORKER_OPTIONS = {"resources": {WORKERS_ROLE: 0.01}, "num_cpus": 0.5}
+
+
+def kill_turns(seed: int) -> Iterator[bool]:
+    """Whether each node kill of a run takes the workers' node (else an engine rank's):
+    in turn, starting at random, so any two points of a run kill one of each."""
+    first = random.Random(seed).random() < 0.5
+    while True:
+        yield first
+        first = not first
 
 
 def _cluster_whole(run: Run) -> list[str]:
@@ -397,12 +414,15 @@ def _until(run: Run, done: Callable[[], bool], what: str) -> None:
     "node_kill",
     expected="the Ray node of an engine rank (one with requests in flight, if any) is "
     "SIGKILLed mid-batch: the pool takes the rank out and re-sends its requests; a new node "
-    "and expand_sampler bring it back before the next point; the batch is the in-process "
-    "reference's",
+    "and expand_sampler bring it back before the next point; or (every other point) the "
+    "episode workers' node: a new node at once, its workers replaced, their episodes run "
+    "again; the batch is the in-process reference's",
     check=_cluster_whole,
     engines=("cluster",),
 )
 def node_kill(run: Run, rng: random.Random) -> DataProto:
+    if next(run.node_kills):
+        return _workers_node_kill(run, rng)
     pool, lost = run.engine, {}
 
     def kill() -> None:
@@ -410,7 +430,7 @@ def node_kill(run: Run, rng: random.Random) -> DataProto:
         rank = rng.choice(busy or pool.active_ranks)
         run.nodes.kill(f"engine_{rank}")
         lost["rank"] = rank
-        run.setup.cluster_counts.update(node_kills=1, killed_with_requests=bool(busy))
+        run.setup.cluster_counts.update(engine_node_kills=1, killed_with_requests=bool(busy))
 
     batch = run.during_batch(rng, kill)
     rank = lost["rank"]
@@ -430,6 +450,18 @@ def node_kill(run: Run, rng: random.Random) -> DataProto:
     run.nodes.add(f"engine_{rank}")
     run.pipe.expand_sampler([rank])
     return batch
+
+
+def _workers_node_kill(run: Run, rng: random.Random) -> DataProto:
+    """The episode workers' node SIGKILLed mid-batch and a new one added at once (the
+    slots' new workers start there); the episodes they ran run again from their specs."""
+
+    def kill() -> None:
+        run.nodes.kill(WORKERS_ROLE)
+        run.nodes.add(WORKERS_ROLE, WORKERS_NODE_CPUS)
+        run.setup.cluster_counts.update(workers_node_kills=1)
+
+    return run.during_batch(rng, kill)
 
 
 def _no_batch(run: Run, rng: random.Random) -> DataProto:
@@ -762,9 +794,10 @@ class Setup:
 
     def config(self, episode_kind: str, seed: int, engine_kind: str = "") -> PipelineConfig:
         envs = {"text": "frozenlake", "tool": "calculator", "agent": "campaign_agent"}
-        workers = 2 if engine_kind == "workers" else 0
+        workers = 2 if engine_kind in ("workers", "cluster") else 0
+        options = WORKER_OPTIONS if engine_kind == "cluster" else {}
         return PipelineConfig(
-            rollout={"concurrency": 8, "episode_workers": workers},
+            rollout={"concurrency": 8, "episode_workers": workers, "worker_options": dict(options)},
             envs=envs[episode_kind],
             group_size=2,
             batch_size=4,

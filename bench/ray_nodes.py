@@ -11,7 +11,7 @@ the fault campaign's ``node_kill`` points and ``tests/distributed/test_cluster_n
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -45,10 +45,10 @@ class Nodes:
 
 
 @contextlib.contextmanager
-def ray_cluster(roles: Iterable[str]) -> Iterator[Nodes]:
-    """A head (1 CPU, no dashboard) and one 1-CPU node per role, with this process's Ray
-    session joined to it; everything shut down on exit. A Ray session already up in this
-    process is shut down first (a cluster needs its own)."""
+def ray_cluster(roles: Iterable[str], cpus: Mapping[str, float] | None = None) -> Iterator[Nodes]:
+    """A head (1 CPU, no dashboard) and one node per role (``cpus[role]`` CPUs, else 1),
+    with this process's Ray session joined to it; everything shut down on exit. A Ray
+    session already up in this process is shut down first (a cluster needs its own)."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -59,7 +59,7 @@ def ray_cluster(roles: Iterable[str]) -> Iterator[Nodes]:
     try:
         nodes = Nodes(cluster, {})
         for role in roles:
-            nodes.add(role)
+            nodes.add(role, (cpus or {}).get(role, 1))
         ray.init(address=cluster.address, log_to_driver=False)
         yield nodes
     finally:
