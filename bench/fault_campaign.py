@@ -178,6 +178,7 @@ class Run:
         self.setup, self.episode_kind, self.engine_kind = setup, episode_kind, engine_kind
         self.tap = setup.taps[engine_kind]
         self.hung = threading.Event()  # set by the watchdog: waits in a point end
+        self.batch_done = threading.Event()  # during_batch's get_batch returned
         self._cluster: contextlib.ExitStack | None = None
         if engine_kind == "cluster":  # a cluster of its own: a run kills its nodes
             self._cluster = contextlib.ExitStack()
@@ -234,9 +235,11 @@ class Run:
 
     def during_batch(self, rng: random.Random, action: Callable[[], None]) -> DataProto:
         """``get_batch`` on another thread; ``action()`` here at a random engine request
-        of it (or when it returns, if it needs fewer); then the batch."""
+        of it (or when it returns, if it needs fewer); then the batch. ``batch_done`` is
+        set once ``get_batch`` returned (an action may wait for a state until then)."""
         out: dict[str, Any] = {}
         point = threading.Event()
+        self.batch_done = done = threading.Event()
 
         def collect() -> None:
             try:
@@ -244,6 +247,7 @@ class Run:
             except BaseException as e:  # raised below
                 out["error"] = e
             finally:
+                done.set()
                 point.set()
 
         self.tap.arm(rng.randint(0, 2 * self.config.batch_size), point)
@@ -425,12 +429,17 @@ def node_kill(run: Run, rng: random.Random) -> DataProto:
         return _workers_node_kill(run, rng)
     pool, lost = run.engine, {}
 
+    def busy() -> list[int]:
+        return [load.rank for load in pool.loads() if load.requests]
+
     def kill() -> None:
-        busy = [load.rank for load in pool.loads() if load.requests]
-        rank = rng.choice(busy or pool.active_ranks)
+        # a rank with requests in flight, if one comes before the batch returns
+        _until(run, lambda: bool(busy()) or run.batch_done.is_set(), "requests in flight")
+        ranks = busy()
+        rank = rng.choice(ranks or pool.active_ranks)
         run.nodes.kill(f"engine_{rank}")
         lost["rank"] = rank
-        run.setup.cluster_counts.update(engine_node_kills=1, killed_with_requests=bool(busy))
+        run.setup.cluster_counts.update(engine_node_kills=1, killed_with_requests=bool(ranks))
 
     batch = run.during_batch(rng, kill)
     rank = lost["rank"]
