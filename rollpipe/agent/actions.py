@@ -18,6 +18,9 @@ from rollpipe._utils.freeze import freeze, thaw
 __all__ = ["AssistantAction", "ToolCall"]
 
 
+_PLAIN = frozenset({str, int, float, bool, type(None)})  # scalars ``thaw`` keeps as they are
+
+
 def _arguments(value: Any) -> Any:
     return None if value is None else freeze(dict(value))
 
@@ -61,7 +64,12 @@ class ToolCall:
     @property
     def kwargs(self) -> dict[str, Any]:
         """The arguments as a plain dict (empty when they were unusable)."""
-        return {} if self.arguments is None else dict(thaw(self.arguments, "ToolCall"))
+        arguments = self.arguments
+        if arguments is None:
+            return {}
+        if all(type(v) in _PLAIN for _, v in arguments):  # what thaw gives back unchanged
+            return dict(arguments)
+        return dict(thaw(arguments, "ToolCall"))
 
     def message(self) -> dict[str, Any]:
         """The OpenAI ``tool_calls`` entry of this call (arguments as JSON text)."""

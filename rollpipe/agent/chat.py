@@ -28,7 +28,8 @@ them.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from functools import lru_cache
 from typing import Any, cast
 
@@ -40,6 +41,7 @@ from rollpipe.agent.parsers import ResponseParser
 from rollpipe.agent.records import Turn
 from rollpipe.agent.repeats import Repeats
 from rollpipe.agent.template import KeptJson, Render, template_renderer
+from rollpipe.agent.tools import schemas_key
 
 Packed = tuple[tuple[int, ...], "npt.NDArray[np.int64]"]
 
@@ -455,17 +457,45 @@ class ChatFormat:
             return str(self._fast_decode(list(ids), skip_special_tokens=skip_special_tokens))
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def response_parser(self, tools: Sequence[Mapping[str, Any]]) -> ResponseParser:
+    def response_parser(
+        self, tools: Sequence[Mapping[str, Any]], key: str | None = None
+    ) -> ResponseParser:
         """The :class:`ResponseParser` of ``tool_parser`` / ``reasoning_parser`` for a
-        request with ``tools`` (kept per tool set: parsers are built once)."""
-        key = json.dumps(list(tools), sort_keys=True, default=str)
+        request with ``tools`` (``key``: their :func:`schemas_key`, when known). Parsers
+        are built once per tokenizer, parser names and tool set, and shared by the
+        formats of one tokenizer (``for_env``'s variants too): a parse keeps no state."""
+        key = schemas_key(tools) if key is None else key
         parser = self._parsers.get(key)
         if parser is None:
-            parser = ResponseParser(
-                self.tokenizer, self.tool_parser, self.reasoning_parser, [dict(t) for t in tools]
-            )
+            shared = _shared_parsers(self.tokenizer)
+            whole = (self.tool_parser, self.reasoning_parser, key)
+            parser = shared.get(whole)
+            if parser is None:
+                parser = ResponseParser(
+                    self.tokenizer,
+                    self.tool_parser,
+                    self.reasoning_parser,
+                    [dict(t) for t in tools],
+                )
+                shared[whole] = parser
             self._parsers[key] = parser
         return parser
+
+
+_PARSERS: weakref.WeakKeyDictionary[Any, dict[Hashable, ResponseParser]] = (
+    weakref.WeakKeyDictionary()
+)  # a tokenizer -> its parsers by (tool parser, reasoning parser, tools key)
+
+
+def _shared_parsers(tokenizer: Any) -> dict[Hashable, ResponseParser]:
+    """The parsers kept for ``tokenizer`` (a fresh dict where it cannot be weakly kept)."""
+    try:
+        found = _PARSERS.get(tokenizer)
+        if found is None:
+            found = _PARSERS[tokenizer] = {}
+    except TypeError:
+        found = {}
+    return found
 
 
 def _with_cut(pieces: Packed) -> tuple[Packed, Packed]:

@@ -83,7 +83,7 @@ class Dialog:
         self.chat, self.tools = chat, tools
         self.full_render = full_render
         self.parser: ResponseParser | None = (
-            chat.response_parser(tools.schemas) if chat.parses_responses else None
+            chat.response_parser(tools.schemas, tools.key) if chat.parses_responses else None
         )
         self.messages: list[dict[str, Any]] = chat.system_messages()
         self.prefix_breaks = 0

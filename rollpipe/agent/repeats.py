@@ -29,9 +29,10 @@ Examples:
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
+
+from rollpipe.agent.tools import ToolSet, schemas_key
 
 __all__ = ["REPEATS_SIZE", "Repeats", "frozen_message", "repeat_key", "tools_key"]
 
@@ -70,8 +71,11 @@ class Repeats:
 
 
 def tools_key(tools: Any) -> str:
-    """The key of a tool set: its schemas as sorted JSON (equal schemas, equal keys)."""
-    return json.dumps(list(getattr(tools, "schemas", tools)), sort_keys=True, default=repr)
+    """The key of a tool set: its schemas as sorted JSON (equal schemas, equal keys; a
+    :class:`ToolSet`'s made once)."""
+    if isinstance(tools, ToolSet):
+        return tools.key
+    return schemas_key(list(getattr(tools, "schemas", tools)))
 
 
 def repeat_key(

@@ -15,11 +15,15 @@ thread hop; every episode waits while it runs.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import inspect
+import json
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["Tool", "ToolSet", "runs_inline"]
+__all__ = ["Tool", "ToolSet", "runs_inline", "schemas_key"]
 
 Tool = Callable[..., Any] | Mapping[str, Any]
 """A typed callable with a docstring, or an OpenAI function schema."""
@@ -64,7 +68,33 @@ def _binds_by_schema(schema: Mapping[str, Any], functions: Mapping[str, Any]) ->
     )
 
 
+_SCHEMAS: weakref.WeakKeyDictionary[Any, tuple[Any, dict[str, Any]]] = (
+    weakref.WeakKeyDictionary()
+)  # a callable -> (what its schema was made from, the schema): made once per callable
+
+
 def _schema_of_callable(fn: Callable[..., Any]) -> dict[str, Any]:
+    """``fn``'s schema (transformers' ``get_json_schema``), kept per callable while its
+    name, docstring and annotations stay what they were (~0.5 ms a schema: an env built
+    per episode slot builds its tools again); each caller gets its own copy."""
+    source = (
+        getattr(fn, "__name__", None),
+        getattr(fn, "__doc__", None),
+        dict(getattr(fn, "__annotations__", None) or {}),
+    )
+    try:
+        kept = _SCHEMAS.get(fn)
+    except TypeError:  # not weakly referable, or unhashable: made each time
+        kept = None
+    if kept is not None and kept[0] == source:
+        return copy.deepcopy(kept[1])
+    schema = _made_schema(fn)
+    with contextlib.suppress(TypeError):  # not weakly referable: not kept
+        _SCHEMAS[fn] = (source, copy.deepcopy(schema))
+    return schema
+
+
+def _made_schema(fn: Callable[..., Any]) -> dict[str, Any]:
     from transformers.utils import get_json_schema
 
     try:
@@ -148,6 +178,15 @@ class ToolSet:
         """The tools whose schema says all their signature does: arguments that pass the
         schema's check (required names present, no others) bind to it."""
         self._signatures: dict[str, inspect.Signature] = {}
+        self._key: str | None = None
+
+    @property
+    def key(self) -> str:
+        """The schemas as sorted JSON (equal schemas, equal keys; made once: a tool set's
+        schemas do not change once it is made)."""
+        if self._key is None:
+            self._key = schemas_key(self.schemas)
+        return self._key
 
     def signature(self, name: str) -> inspect.Signature:
         """Tool ``name``'s callable's signature (read once: ~10 µs a call otherwise)."""
@@ -170,6 +209,11 @@ class ToolSet:
 
     def __bool__(self) -> bool:
         return bool(self.schemas)
+
+
+def schemas_key(schemas: Sequence[Mapping[str, Any]]) -> str:
+    """Tool schemas as sorted JSON: equal schemas, equal keys."""
+    return json.dumps(list(schemas), sort_keys=True, default=repr)
 
 
 def tool_set(value: ToolSet | Sequence[Tool] | None) -> ToolSet:
