@@ -281,7 +281,9 @@ def test_episode_workers_on_a_lost_node_are_replaced_and_their_episodes_run_agai
         replacement = nodes.add("workers", num_cpus=2)
         batch = finished(thread, out)
         check_complete(batch)
-        assert workers.replaced == 2 and workers.reruns >= 1
+        # each slot replaced at least once; a replacement Ray placed on the lost node before
+        # it was marked dead dies too and is replaced again (counted: 3 or 4 happen)
+        assert workers.replaced >= 2 and workers.reruns >= 1
         assert [node_of(actor) for actor in workers.actors] == [str(replacement.node_id)] * 2
     assert [t.end_reason for t in seen].count("error") == 0
     ids = [t.traj_id for t in seen]
