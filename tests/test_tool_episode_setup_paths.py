@@ -113,3 +113,43 @@ def test_call_kwargs_equal_the_thawed_arguments(arguments: dict[str, Any]) -> No
     assert fast == slow and [type(v) for v in fast.values()] == [type(v) for v in slow.values()]
     assert list(fast) == list(slow)
     assert fast is not call.kwargs  # a fresh dict each time: a tool may change its own
+
+
+def echo(text: str) -> str:
+    """Repeat the text.
+
+    Args:
+        text: what to repeat
+    """
+    return text
+
+
+echo.blocking = False  # type: ignore[attr-defined]
+
+CALLS = st.builds(
+    ToolCall.from_json,
+    st.just("call_0_0"),
+    st.sampled_from(["echo", "scale", "nope"]),
+    st.one_of(
+        st.dictionaries(st.sampled_from(["text", "x", "times"]), JSON, max_size=3).map(json.dumps),
+        st.just("[1]"),
+        st.just("{oops"),
+    ),
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(CALLS, min_size=1, max_size=6), st.data())
+def test_a_kept_call_check_is_the_check(calls: list[ToolCall], data: st.DataObject) -> None:
+    from rollpipe.agent.tool_runner import ToolRunner
+
+    runner = ToolRunner(ToolSet([echo, scale]))
+    try:
+        for _ in range(2 * len(calls)):  # calls again and again, as a group repeats them
+            call = data.draw(st.sampled_from(calls))
+            kept = runner._checked(call, call.kwargs)
+            assert kept == runner._problem(call, call.kwargs)
+            again = ToolCall.from_json(call.id, call.name, call.arguments_json)  # not kept
+            assert runner._checked(again, again.kwargs) == kept
+    finally:
+        runner.close()

@@ -242,6 +242,10 @@ class ToolRunner:
         self.tools, self.timeout_s = tools, timeout_s
         self.max_result_chars = max_result_chars
         self.threads = EnvThreads(max_threads, "rollpipe-tools")
+        # each call's check by id (the call kept with it): a group's episodes share the
+        # parsed actions of the turns they repeat (``rollpipe.agent.repeats``), and a
+        # check is a function of the call and the tools alone
+        self._checks: dict[int, tuple[ToolCall, Shown | None]] = {}
 
     async def run(self, action: AssistantAction) -> ToolResults:
         """One tool message per call (one for unreadable markup), and the counts."""
@@ -258,7 +262,7 @@ class ToolRunner:
         checked = []
         for call in action.tool_calls:  # first see that none waits, then run them
             kwargs = call.kwargs
-            problem = self._problem(call, kwargs)
+            problem = self._checked(call, kwargs)
             if problem is None and call.name not in self.tools.inline:
                 return None
             checked.append((call.name, kwargs, problem))
@@ -294,7 +298,7 @@ class ToolRunner:
         ran fine. A blocking tool's result is also made into its message text (JSON,
         cut) on its thread: a huge result costs only its own episode."""
         kwargs = call.kwargs
-        problem = self._problem(call, kwargs)
+        problem = self._checked(call, kwargs)
         if problem is not None:
             return problem
         if call.name in self.tools.inline:  # declared fast: cheaper than a thread hop
@@ -327,6 +331,17 @@ class ToolRunner:
 
     def _late(self, name: str) -> Shown:
         return _failed("timeouts", f"error: {name} returned no result within {self.timeout_s} s")
+
+    def _checked(self, call: ToolCall, kwargs: dict[str, Any]) -> Shown | None:
+        """:meth:`_problem`, kept for the same call object (at most 4096 kept)."""
+        found = self._checks.get(id(call))
+        if found is not None and found[0] is call:
+            return found[1]
+        problem = self._problem(call, kwargs)
+        if len(self._checks) >= 4096:
+            self._checks.clear()
+        self._checks[id(call)] = (call, problem)
+        return problem
 
     def _problem(self, call: ToolCall, kwargs: dict[str, Any]) -> Shown | None:
         """The ``malformed`` (or ``errors``: nothing to run) outcome of a call with
