@@ -153,3 +153,57 @@ def test_a_kept_call_check_is_the_check(calls: list[ToolCall], data: st.DataObje
             assert runner._checked(again, again.kwargs) == kept
     finally:
         runner.close()
+
+
+SANDBOX_TEMPLATES = [
+    # loop attributes, dict and str methods, as chat templates read them
+    "{%- for m in messages %}{{ loop.index0 }}{{ loop.first }}{{ loop.last }}"
+    "{{ m.get('role') }}{{ m.get('name', 'none') }}{{ m['content'].strip().upper() }}"
+    "{{ m['content'].startswith('a') }}{{ m['content'].split(' ') | length }}"
+    "{%- if loop.nextitem is defined %}+{% endif %}{{ loop.cycle('x', 'y') }}{%- endfor %}"
+    "{{ messages | length }}{{ messages[0].items() | list | length }}",
+    # the sandbox's str.format wrap, by attribute and by item
+    "{%- for m in messages %}{{ '{}: {}'.format(m['role'], m['content']) }}"
+    "{{ '{r}'.format_map({'r': m['role']}) }}{{ m['content'].format() }}{%- endfor %}",
+    # unsafe: a dict's mutating method, a private attribute
+    "{{ messages[0].update({'role': 'x'}) }}",
+    "{{ messages[0].__class__ }}",
+    "{{ messages[0].pop('role') }}",
+]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    which=st.integers(0, len(SANDBOX_TEMPLATES) - 1),
+    contents=st.lists(st.text(max_size=12), min_size=1, max_size=4),
+    generation_prompt=st.booleans(),
+)
+def test_the_renders_reads_and_calls_are_the_sandboxs(
+    tools_tokenizer: Any, which: int, contents: list[str], generation_prompt: bool
+) -> None:
+    import copy
+
+    from rollpipe.agent.template import template_renderer
+
+    tokenizer = copy.copy(tools_tokenizer)
+    tokenizer.chat_template = SANDBOX_TEMPLATES[which]
+    render = template_renderer(tokenizer)
+    assert render is not None
+    messages = [
+        {"role": ("user", "assistant")[i % 2], "content": c} for i, c in enumerate(contents)
+    ]
+
+    def outcome(fn: Any) -> Any:
+        try:
+            return fn()
+        except Exception as exc:  # the sandbox refuses: the same refusal
+            return type(exc).__name__, str(exc)
+
+    fast = outcome(lambda: render(messages, generation_prompt, None))
+    slow = outcome(
+        lambda: tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
+    )
+    assert fast == slow
+    assert messages[0]["role"] == "user"  # nothing changed them

@@ -118,6 +118,7 @@ def _compiled(source: str, compile_template: Callable[[str], Any]) -> Any:
                 return safe
 
             environment.is_safe_attribute = is_safe_attribute
+            _plain_reads(environment, decisions)
             dumps = environment.filters.get("tojson")
             if dumps is not None:  # a KeptJson's text, dumped once by the filter itself
 
@@ -132,3 +133,45 @@ def _compiled(source: str, compile_template: Callable[[str], Any]) -> Any:
                 environment.filters = {**environment.filters, "tojson": tojson}
             found = _COMPILED[source] = environment.from_string(source)
         return found
+
+
+_PLAIN = (dict, str)  # builtin types whose attributes are their class's (no instance ones)
+_FORMATS = ("format", "format_map")  # str methods the sandbox wraps (wrap_str_format)
+
+
+def _plain_reads(environment: Any, decisions: dict[tuple[type, str], bool]) -> None:
+    """The sandbox's ``getattr`` and ``call`` made cheaper where their answer is known:
+    an attribute of a dict, a str or a loop (``message.get``, ``loop.first``) already
+    decided safe is returned as the sandbox would (no ``str.format`` wrap applies to
+    another name), and a dict's or a str's builtin method is called as the context would
+    call it (it takes no context, and none is unsafe); anything else goes to the
+    sandbox's own."""
+    from jinja2.runtime import LoopContext
+
+    types_ = (*_PLAIN, LoopContext)
+    sandbox_getattr, sandbox_call = environment.getattr, environment.call
+    undefined, builtin_getattr = environment.undefined, getattr
+    method = type({}.get)
+
+    def read(obj: Any, attribute: str) -> Any:
+        kind = type(obj)
+        if kind in types_ and attribute not in _FORMATS and decisions.get((kind, attribute)):
+            try:
+                return builtin_getattr(obj, attribute)
+            except AttributeError:
+                pass
+        return sandbox_getattr(obj, attribute)
+
+    def call(__context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        if type(__obj) is method and type(__obj.__self__) in _PLAIN:
+            kwargs.pop("_block_vars", None)
+            kwargs.pop("_loop_vars", None)
+            try:
+                return __obj(*args, **kwargs)
+            except StopIteration:
+                return undefined(
+                    "value was undefined because a callable raised a StopIteration exception"
+                )
+        return sandbox_call(__context, __obj, *args, **kwargs)
+
+    environment.getattr, environment.call = read, call
