@@ -36,10 +36,10 @@ threads on a busy machine). Each run starts after a ``gc.collect()``: a full col
 whichever run crosses the threshold. The tool env's task declares ``blocking = False``,
 as the text env does, so both reset inline (``ToolEnv.blocking``).
 
-Figures (2026-12-02, quick, the shared 2-core machine, two runs): tool ÷ text 2.00 /
-1.52 at 8 turns, 2.46 / 1.75 at 32, 2.07 / 1.50 at 128, fresh 1.70 / 2.09 (tool 110-210
-µs a turn, text 53-125); before the issue-38 cuts (``8482300``) 2.8-3.9 and fresh
-2.9-3.3 (docs/performance.md).
+Figures (2026-12-02 02:50 UTC, quick, ``--repeats 5``, the shared 2-core machine at load
+3.5): tool ÷ text 1.71 at 8 turns (197 / 112 µs a turn), 1.85 at 32 (157 / 88), 2.03 at
+128 (114 / 56), fresh 2.07 (357 / 177); before the issue-38 cuts (``8482300``) 2.8-3.9
+and fresh 2.9-3.3 (docs/performance.md).
 """
 
 from __future__ import annotations
