@@ -25,6 +25,7 @@ Examples:
 from __future__ import annotations
 
 import threading
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -148,14 +149,14 @@ def _plain_reads(environment: Any, decisions: dict[tuple[type, str], bool]) -> N
     sandbox's own."""
     from jinja2.runtime import LoopContext
 
-    types_ = (*_PLAIN, LoopContext)
+    readable = (*_PLAIN, LoopContext)
     sandbox_getattr, sandbox_call = environment.getattr, environment.call
     undefined, builtin_getattr = environment.undefined, getattr
-    method = type({}.get)
+    method: Any = types.BuiltinMethodType  # a builtin's bound method ({}.get)
 
     def read(obj: Any, attribute: str) -> Any:
         kind = type(obj)
-        if kind in types_ and attribute not in _FORMATS and decisions.get((kind, attribute)):
+        if kind in readable and attribute not in _FORMATS and decisions.get((kind, attribute)):
             try:
                 return builtin_getattr(obj, attribute)
             except AttributeError:
@@ -163,7 +164,7 @@ def _plain_reads(environment: Any, decisions: dict[tuple[type, str], bool]) -> N
         return sandbox_getattr(obj, attribute)
 
     def call(__context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
-        if type(__obj) is method and type(__obj.__self__) in _PLAIN:
+        if type(__obj) is method and type(getattr(__obj, "__self__", None)) in _PLAIN:
             kwargs.pop("_block_vars", None)
             kwargs.pop("_loop_vars", None)
             try:
