@@ -650,6 +650,21 @@ class SteppedEngine(BaseEngine):
         self._attach(start, "a policy function")
 
 
+def _tapped(engine: Any, tap: Tap) -> Any:
+    """``engine`` with each request counted by ``tap`` (and its aborted answers), on the
+    loop that awaits it: one thread."""
+    generate = engine.generate
+
+    async def tapped(prompt_ids: Any, params: Any, **kw: Any) -> Any:
+        tap.tick()
+        gen = await generate(prompt_ids, params, **kw)
+        tap.aborted += gen.finish_reason == "abort"
+        return gen
+
+    engine.generate = tapped
+    return engine
+
+
 def _node_engine(call: list[int], answer: list[int]) -> SteppedEngine:
     """A ``cluster`` rank's engine, built in its Ray actor: the scripted answers."""
 
@@ -728,17 +743,7 @@ class Setup:
 
         def rank_engine(rank: int) -> RayEngine:
             placed = {"resources": {f"engine_{rank}": 1}}
-            engine = RayEngine(make, num_cpus=1, weights=store, actor_options=placed)
-            generate = engine.generate
-
-            async def tapped(prompt_ids: Any, params: Any, **kw: Any) -> Any:
-                tap.tick()
-                gen = await generate(prompt_ids, params, **kw)
-                tap.aborted += gen.finish_reason == "abort"  # on the pool's loop: one thread
-                return gen
-
-            engine.generate = tapped  # type: ignore[method-assign]
-            return engine
+            return _tapped(RayEngine(make, num_cpus=1, weights=store, actor_options=placed), tap)
 
         with EnginePool(rank_engine, 2) as pool:
             yield pool
@@ -778,17 +783,9 @@ class Setup:
             )
         from rollpipe.engines.vllm import VLLMEngine
 
-        engine = VLLMEngine(self.path, kv_cache_space_gib=0.5, max_model_len=1024, seed=0)
-        generate = engine.generate
-
-        async def tapped(prompt_ids: Any, params: Any, **kw: Any) -> Any:
-            tap.tick()
-            gen = await generate(prompt_ids, params, **kw)
-            tap.aborted += gen.finish_reason == "abort"  # on the engine's loop: one thread
-            return gen
-
-        engine.generate = tapped  # type: ignore[method-assign]
-        return engine
+        return _tapped(
+            VLLMEngine(self.path, kv_cache_space_gib=0.5, max_model_len=1024, seed=0), tap
+        )
 
     def weights(self, kind: str) -> Any:
         if kind not in self._weights:
