@@ -60,6 +60,17 @@ FIRST_RESULT_TEMPLATE = "{%- set ns = namespace(seen=false) %}" + TOOLS_CHAT_TEM
 )
 
 
+# The tools template, with a mark after a conversation's closing assistant turn (as
+# templates that end a finished conversation with an end-of-sequence text): a
+# conversation closed after the response renders otherwise than one that goes on.
+_CLOSE = "{%- endfor %}{{- '<|im_end|>\\n' }}"
+assert _CLOSE in TOOLS_CHAT_TEMPLATE
+CLOSING_MARK_TEMPLATE = TOOLS_CHAT_TEMPLATE.replace(
+    _CLOSE,
+    _CLOSE + "{%- if loop.last and not add_generation_prompt %}{{- '<final>' }}{%- endif %}",
+)
+
+
 @pytest.fixture(scope="module")
 def formats(tokenizer: Any) -> dict[str, ChatFormat]:
     """The tiny model's template (no parsers) and the tools model's (hermes), each with
@@ -79,6 +90,9 @@ def formats(tokenizer: Any) -> dict[str, ChatFormat]:
     first_result = copy.deepcopy(tools_tokenizer)
     first_result.chat_template = FIRST_RESULT_TEMPLATE
     out["first result"] = ChatFormat(first_result, tool_parser="hermes")
+    closing = copy.deepcopy(tools_tokenizer)
+    closing.chat_template = CLOSING_MARK_TEMPLATE
+    out["closing mark"] = ChatFormat(closing, tool_parser="hermes")
     return out
 
 
@@ -88,10 +102,13 @@ class Recording(Dialog):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.sizes: list[int] = []
+        self.prompted: list[bool] = []  # each render's generation prompt
+        self.renders: list[list[bool]] = []  # per turn: its renders' generation prompts
         self.widest: list[tuple[int, int]] = []
 
     def _render(self, messages: Any, generation_prompt: bool) -> str:
         self.sizes.append(len(messages))
+        self.prompted.append(generation_prompt)
         return super()._render(messages, generation_prompt)
 
 
@@ -153,6 +170,7 @@ def play(
         done = len(dialog.sizes)
         more, broke = dialog.continuation(new, response)
         widest.append((max(dialog.sizes[done:], default=0), len(dialog.messages)))  # 0: kept
+        dialog.renders.append(dialog.prompted[done:])
         ids = [*ids, *response, *more]
         added.append(more)
         breaks.append(broke)
@@ -238,3 +256,32 @@ def test_the_head_holds_the_first_tool_result(formats: dict[str, ChatFormat]) ->
     assert rendered.count("<first>") == 1 and ids == chat.encode(rendered)
     assert not any(breaks) and not dialog.full_render
     assert max(w for w, _ in dialog.widest[3 + CHECKED_TURNS :]) == 8
+
+
+def test_a_turn_renders_twice_and_a_closing_mark_is_no_break(
+    formats: dict[str, ChatFormat],
+) -> None:
+    """A new window turn renders the prompt before the response and the window with the
+    new messages: where that render starts with the prompt and the response as written,
+    its rest is the appended text, and the row is that render (no third render of the
+    conversation closed after the response). A template that marks a closing assistant
+    turn renders that closed conversation otherwise, and it is no break: the rows equal
+    a fresh render of the whole conversation."""
+    for name in ("tools/default", "closing mark"):
+        chat = ChatFormat(formats[name].tokenizer, tool_parser="hermes")  # nothing kept
+        turns = [
+            ("", [("add", {"a": t, "b": 1})], False, [f"A{t}", "B", "C"], []) for t in range(12)
+        ]
+        dialog, ids, _, breaks = play(chat, ToolSet([add]), "Add.", turns)
+        rendered = chat.render_messages(
+            dialog.messages, generation_prompt=True, tools=dialog.tools.schemas
+        )
+        assert ids == chat.encode(rendered) and "<final>" not in rendered
+        assert not any(breaks) and dialog.prefix_breaks == 0 and not dialog.full_render
+        closed = chat.render_messages(
+            dialog.messages[:-3], generation_prompt=False, tools=dialog.tools.schemas
+        )
+        assert closed.endswith("<final>") == (name == "closing mark")
+        # past the checked turns: two renders a turn, both with the generation prompt
+        # (none of the conversation closed after the response)
+        assert dialog.renders[3 + CHECKED_TURNS :] == [[True, True]] * (9 - CHECKED_TURNS)

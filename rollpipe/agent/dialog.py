@@ -2,13 +2,16 @@
 
 The engine's prompt at each turn is the previous prompt, the model's own response ids
 (never re-tokenized) and the ids of what the template renders for the new messages.
-That last part comes from a render diff: a conversation ending in the assistant's turn
-is rendered (with the env's ``tools=``) before and after the new messages are added, and
-the text after the first render is appended, preceded by what the template writes after
-the assistant's own text (e.g. ``"\\n"`` after ``<|im_end|>``; the end-of-turn token
-itself when the response was cut before it). Concatenated, the turns are what a fresh
-``apply_chat_template`` of the whole conversation gives, wherever the template renders
-the model's response as the model wrote it.
+That last part comes from a render diff: the conversation with the new messages is
+rendered (with the env's ``tools=``), and where that starts with the prompt before the
+response and the response as the model wrote it, its rest is appended (it holds what the
+template writes after the assistant's own text, e.g. ``"\\n"`` after ``<|im_end|>``,
+or the end-of-turn token itself when the response was cut before it). Otherwise the
+conversation closed after the response is rendered too, to tell a history rendered
+otherwise (a prefix break, below) from a response the template writes otherwise.
+Concatenated, the turns are what a fresh ``apply_chat_template`` of the whole
+conversation gives, wherever the template renders the model's response as the model
+wrote it.
 
 Window renders. Rendering the whole conversation twice a turn costs time that grows
 with the history (Jinja walks every message), so the diff is taken on a **window**: the
@@ -34,6 +37,9 @@ what the engine saw — and appends the new messages as the template renders the
 after an assistant turn. The turn records
 ``prefix_break=True``: the row differs from a fresh render of the whole conversation
 (which the model never saw), and a trainer that re-renders would train on other tokens.
+A template that only writes a conversation's closing assistant turn otherwise (a mark
+after the last turn of a finished conversation) breaks nothing: the row is the fresh
+render with the new messages.
 A window render sees a break in the window: the last exchange or the head rendered
 differently once the new messages come, which is where the templates that drop the
 reasoning of the turns before a new user turn, or move a tools block to the last user
@@ -333,9 +339,17 @@ class Dialog:
     ) -> tuple[str, bool, str]:
         """The text appended after the response, whether the template broke the prefix,
         and the render of ``history`` + ``new``: ``history`` ends with the assistant turn
-        and ``prompt`` is the render (with generation prompt) of what came before it."""
-        closed = self._render(history, False)
+        and ``prompt`` is the render (with generation prompt) of what came before it.
+
+        Where the new render starts with the prompt and the response as the model wrote
+        it, the rest of it is the text appended: the row is then exactly that render, so
+        nothing broke (one render). Otherwise the conversation closed after the response
+        is rendered too, to tell a history rendered otherwise (a break) from a response
+        the template writes otherwise."""
         whole = self._render([*history, *new], True)
+        if whole.startswith(prompt) and whole.startswith(said, len(prompt)):
+            return whole[len(prompt) + len(said) :], False, whole
+        closed = self._render(history, False)
         if not (closed.startswith(prompt) and whole.startswith(closed)):
             return self._after_assistant(history, new, response_ids), True, whole
         assistant = closed[len(prompt) :]
