@@ -104,6 +104,11 @@ COUNTS = ("points", "lost", "duplicated", "unexpected", "hangs", "failed_checks"
 STEP_S = 0.0005
 """The scripted ranks' time per token: a 16-token answer is in flight for about 8 ms."""
 
+NODE_STEP_S = 0.01
+"""A ``cluster`` rank's time per token: an answer is in flight for about 0.2 s, longer than
+SIGKILLing a node takes, so a node kill finds requests in flight (at 8 ms, 14 of 15 engine
+node kills of a 10,000-point campaign found none: they had finished meanwhile)."""
+
 Ids = list[tuple[int, int]]
 Policy = Callable[[Sequence[int], SamplingParams], Sequence[int]]
 
@@ -233,10 +238,13 @@ class Run:
         if state is not None:
             self.pipe.load_state_dict(state)
 
-    def during_batch(self, rng: random.Random, action: Callable[[], None]) -> DataProto:
+    def during_batch(
+        self, rng: random.Random, action: Callable[[], None], within: int | None = None
+    ) -> DataProto:
         """``get_batch`` on another thread; ``action()`` here at a random engine request
-        of it (or when it returns, if it needs fewer); then the batch. ``batch_done`` is
-        set once ``get_batch`` returned (an action may wait for a state until then)."""
+        of it, among its first ``within`` (default twice the batch size; or when it
+        returns, if it needs fewer); then the batch. ``batch_done`` is set once
+        ``get_batch`` returned (an action may wait for a state until then)."""
         out: dict[str, Any] = {}
         point = threading.Event()
         self.batch_done = done = threading.Event()
@@ -250,7 +258,8 @@ class Run:
                 done.set()
                 point.set()
 
-        self.tap.arm(rng.randint(0, 2 * self.config.batch_size), point)
+        last = 2 * self.config.batch_size if within is None else within
+        self.tap.arm(rng.randint(0, last), point)
         worker = threading.Thread(target=collect, name="campaign-collect")
         worker.start()
         point.wait()  # bounded by the watchdog, which closes the pipeline
@@ -416,8 +425,8 @@ def _until(run: Run, done: Callable[[], bool], what: str) -> None:
 
 @fault_kind(
     "node_kill",
-    expected="the Ray node of an engine rank (one with requests in flight, if any) is "
-    "SIGKILLed mid-batch: the pool takes the rank out and re-sends its requests; a new node "
+    expected="the Ray node of an engine rank with requests in flight is SIGKILLed "
+    "mid-collection: the pool takes the rank out and re-sends its requests; a new node "
     "and expand_sampler bring it back before the next point; or (every other point) the "
     "episode workers' node: a new node at once, its workers replaced, their episodes run "
     "again; the batch is the in-process reference's",
@@ -433,15 +442,19 @@ def node_kill(run: Run, rng: random.Random) -> DataProto:
         return [load.rank for load in pool.loads() if load.requests]
 
     def kill() -> None:
-        # a rank with requests in flight, if one comes before the batch returns
-        _until(run, lambda: bool(busy()) or run.batch_done.is_set(), "requests in flight")
+        # a rank with requests in flight: the pipeline collects ahead, so the point's batch
+        # is often made before get_batch is called; then the requests come once it has
+        # returned (the next batch's, which the pool must re-send elsewhere)
+        _until(run, lambda: bool(busy()), "requests in flight")
         ranks = busy()
         rank = rng.choice(ranks or pool.active_ranks)
         run.nodes.kill(f"engine_{rank}")
         lost["rank"] = rank
         run.setup.cluster_counts.update(engine_node_kills=1, killed_with_requests=bool(ranks))
 
-    batch = run.during_batch(rng, kill)
+    # among the batch's first requests (it makes at least one per trajectory): a point
+    # past its last would find the batch done and no request in flight
+    batch = run.during_batch(rng, kill, within=run.config.batch_size - 1)
     rank = lost["rank"]
     # the pool notices a death when a request to the rank fails: wait for that if some
     # are in flight there; a death no request saw yet is taken out as a shrink would
@@ -671,7 +684,7 @@ def _node_engine(call: list[int], answer: list[int]) -> SteppedEngine:
     def policy(prompt_ids: Sequence[int], params: Any) -> list[int]:
         return call if len(prompt_ids) % 3 else answer  # as the in-process ranks answer
 
-    return SteppedEngine(policy, Tap(), STEP_S, "campaign-node")
+    return SteppedEngine(policy, Tap(), NODE_STEP_S, "campaign-node")
 
 
 def _calculate_call(tokenizer: Any) -> list[int]:

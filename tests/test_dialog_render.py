@@ -258,15 +258,15 @@ def test_the_head_holds_the_first_tool_result(formats: dict[str, ChatFormat]) ->
     assert max(w for w, _ in dialog.widest[3 + CHECKED_TURNS :]) == 8
 
 
-def test_a_turn_renders_twice_and_a_closing_mark_is_no_break(
+def test_a_turn_renders_once_and_a_closing_mark_is_no_break(
     formats: dict[str, ChatFormat],
 ) -> None:
-    """A new window turn renders the prompt before the response and the window with the
-    new messages: where that render starts with the prompt and the response as written,
-    its rest is the appended text, and the row is that render (no third render of the
-    conversation closed after the response). A template that marks a closing assistant
-    turn renders that closed conversation otherwise, and it is no break: the rows equal
-    a fresh render of the whole conversation."""
+    """A new window turn renders the window with the new messages once: where that starts
+    with the row's own text of the window and the response as written, its rest is the
+    appended text and the row is that render (no render of the prompt before the
+    response, nor of the conversation closed after it). A template that marks a closing
+    assistant turn renders that closed conversation otherwise, and it is no break: the
+    rows equal a fresh render of the whole conversation."""
     for name in ("tools/default", "closing mark"):
         chat = ChatFormat(formats[name].tokenizer, tool_parser="hermes")  # nothing kept
         turns = [
@@ -282,6 +282,5 @@ def test_a_turn_renders_twice_and_a_closing_mark_is_no_break(
             dialog.messages[:-3], generation_prompt=False, tools=dialog.tools.schemas
         )
         assert closed.endswith("<final>") == (name == "closing mark")
-        # past the checked turns: two renders a turn, both with the generation prompt
-        # (none of the conversation closed after the response)
-        assert dialog.renders[3 + CHECKED_TURNS :] == [[True, True]] * (9 - CHECKED_TURNS)
+        # past the checked turns: one render a turn, with the new messages
+        assert dialog.renders[3 + CHECKED_TURNS :] == [[True]] * (9 - CHECKED_TURNS)

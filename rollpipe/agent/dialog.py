@@ -104,6 +104,11 @@ class Dialog:
         # each message's template form (``template_message``) by id, made at its first render
         self._forms: dict[int, tuple[Mapping[str, Any], Mapping[str, Any]]] = {}
         self._schemas = tuple(KeptJson(s) for s in tools.schemas)  # the tools, as rendered
+        # the row's own text of some messages and the generation prompt after them (the
+        # first prompt's, then each turn's response and continuation), by the first one's
+        # id; held with the messages, so a copy's (a front door trial's) never misleads
+        self._rows: dict[int, tuple[tuple[Mapping[str, Any], ...], str]] = {}
+        self._acted: Mapping[str, Any] | None = None  # the message act added last
         self._marked(self.messages)
 
     @property
@@ -146,6 +151,7 @@ class Dialog:
             if key is not None:
                 self.chat.repeats.put(key, known)
         self.text = known[0]
+        self._rows[id(self.messages[0])] = (tuple(self.messages), known[0])
         return list(known[1])
 
     def act(self, response_ids: Sequence[int], turn: int) -> AssistantAction:
@@ -165,6 +171,7 @@ class Dialog:
         self._marks[id(message)] = (message, frozen, chars)
         self._chars_seen += chars
         self.messages.append(message)
+        self._acted = message
         return action
 
     def continuation(
@@ -183,10 +190,15 @@ class Dialog:
         again), and the break."""
         new = as_messages(observation)
         text, broke, whole = None, False, None
-        window = None if self.full_render else self._window()
-        if window is not None:
+        span = None if self.full_render else self._window()
+        if span is not None:
+            head, last = span
+            window = [*self.messages[:head], *self.messages[last:]]
+            row = self._row_text(0, head), self._row_text(last, len(self.messages) - 1)
             try:
-                text, broke, _ = self._kept_diff(window, None, new, response_ids)
+                text, broke, _ = self._kept_diff(
+                    window, None, new, response_ids, None if None in row else "".join(row)
+                )
             except Exception:  # a template that refuses the window: render the whole
                 self.full_render, text = True, None
             if text is not None and self._checks_left > 0:
@@ -198,17 +210,38 @@ class Dialog:
         if text is None:
             text, broke, whole = self._whole_diff(new, response_ids)
         self.prefix_breaks += broke
+        acted = self.messages[-1] if self.messages else None
         self.messages.extend(self._joined(new))
         self._text, self._text_upto = whole, len(self.messages)
+        if acted is not None and acted is self._acted:  # the response's own message
+            self._rows[id(acted)] = ((acted, *new), self._said(response_ids) + text)
         return self._encoded(text), broke
+
+    def _row_text(self, start: int, end: int) -> str | None:
+        """The row's own text of ``messages[start:end]`` and the generation prompt after
+        them; None where the row's turns do not start at ``start`` and end at ``end``."""
+        messages, parts, at = self.messages, [], start
+        while at < end:
+            found = self._rows.get(id(messages[at]))
+            if found is None or at + len(found[0]) > end:
+                return None
+            covered, text = found
+            if any(
+                a is not b for a, b in zip(covered, messages[at : at + len(covered)], strict=True)
+            ):
+                return None
+            at += len(covered)
+            parts.append(text)
+        return "".join(parts) if at == end else None
 
     def _whole_diff(
         self, new: Messages, response_ids: Sequence[int]
     ) -> tuple[str, bool, str | None]:
         """:meth:`_diff` on the whole conversation (its prompt so far: :attr:`text`)."""
+        row = self._row_text(0, len(self.messages) - 1)
         if self._text_upto == len(self.messages) - 1:  # text renders all but the response
-            return self._kept_diff(self.messages, None, new, response_ids)
-        return self._kept_diff(self.messages, self.text, new, response_ids)
+            return self._kept_diff(self.messages, None, new, response_ids, row)
+        return self._kept_diff(self.messages, self.text, new, response_ids, row)
 
     def _kept_diff(
         self,
@@ -216,10 +249,15 @@ class Dialog:
         prompt: str | None,
         new: Messages,
         response_ids: Sequence[int],
+        row: str | None = None,
     ) -> tuple[str, bool, str]:
         """:meth:`_diff`, ``prompt`` (None: ``history[:-1]`` rendered) given or not; with
         None, kept by its whole input in the format's :class:`Repeats` (a group's
-        episodes often take the same turn): the same result, without rendering again."""
+        episodes often take the same turn): the same result, without rendering again.
+
+        ``row`` is the row's own text of ``history[:-1]`` (None: not known). Where the
+        render with the new messages starts with it and the response as written, the rest
+        is the text appended (the row is then that render): one render, no prompt's."""
         key = None
         if prompt is None:
             frozen = [m[1] for m in self._marked(history)], [m[1] for m in self._marked(new)]
@@ -229,9 +267,13 @@ class Dialog:
             if known is not None:
                 return known
         said = self._said(response_ids)
-        if prompt is None:
-            prompt = self._render(history[:-1], True)
-        result = self._diff(history, prompt, new, said, response_ids)
+        whole = self._render([*history, *new], True)
+        if row is not None and whole.startswith(row) and whole.startswith(said, len(row)):
+            result = whole[len(row) + len(said) :], False, whole
+        else:
+            if prompt is None:
+                prompt = self._render(history[:-1], True)
+            result = self._diff(history, prompt, new, said, response_ids, whole)
         if key is not None:
             self.chat.repeats.put(key, result)
         return result
@@ -317,17 +359,15 @@ class Dialog:
             last -= 1
         return None if last <= head else (head, last)  # None: nothing left out
 
-    def _window(self) -> list[Mapping[str, Any]] | None:
-        """The head and the last exchange (see the module doc); ``None`` when that is the
-        whole conversation or it does not end with an assistant turn. A new head (the
-        first tool result came) is checked again on its first turns."""
+    def _window(self) -> tuple[int, int] | None:
+        """The head and the last exchange as :meth:`_span` gives them (see the module
+        doc); ``None`` when that is the whole conversation or it does not end with an
+        assistant turn. A new head (the first tool result came) is checked again on its
+        first turns."""
         span = self._span()
-        if span is None:
-            return None
-        head, last = span
-        if head != self._head:
-            self._head, self._checks_left = head, CHECKED_TURNS
-        return [*self.messages[:head], *self.messages[last:]]
+        if span is not None and span[0] != self._head:
+            self._head, self._checks_left = span[0], CHECKED_TURNS
+        return span
 
     def _diff(
         self,
@@ -336,6 +376,7 @@ class Dialog:
         new: Messages,
         said: str,
         response_ids: Sequence[int],
+        whole: str,
     ) -> tuple[str, bool, str]:
         """The text appended after the response, whether the template broke the prefix,
         and the render of ``history`` + ``new``: ``history`` ends with the assistant turn
@@ -345,8 +386,7 @@ class Dialog:
         it, the rest of it is the text appended: the row is then exactly that render, so
         nothing broke (one render). Otherwise the conversation closed after the response
         is rendered too, to tell a history rendered otherwise (a break) from a response
-        the template writes otherwise."""
-        whole = self._render([*history, *new], True)
+        the template writes otherwise. ``whole`` is the render with the new messages."""
         if whole.startswith(prompt) and whole.startswith(said, len(prompt)):
             return whole[len(prompt) + len(said) :], False, whole
         closed = self._render(history, False)
