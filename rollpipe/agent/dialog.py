@@ -194,11 +194,11 @@ class Dialog:
         if span is not None:
             head, last = span
             window = [*self.messages[:head], *self.messages[last:]]
-            row = self._row_text(0, head), self._row_text(last, len(self.messages) - 1)
+            row_head = self._row_text(0, head)
+            row_tail = self._row_text(last, len(self.messages) - 1)
+            row = None if row_head is None or row_tail is None else row_head + row_tail
             try:
-                text, broke, _ = self._kept_diff(
-                    window, None, new, response_ids, None if None in row else "".join(row)
-                )
+                text, broke, _ = self._kept_diff(window, None, new, response_ids, row)
             except Exception:  # a template that refuses the window: render the whole
                 self.full_render, text = True, None
             if text is not None and self._checks_left > 0:
