@@ -44,8 +44,10 @@ A fault kind is a name in :data:`FAULTS` mapped to a :class:`FaultKind`: ``injec
 rng)`` collects one batch with the fault injected at a random point and returns it
 (``run.during_batch(rng, action)`` runs ``action`` on this thread at a random engine
 request while another thread is in ``get_batch``; ``run.replace_pipeline()`` swaps in a
-fresh pipeline), ``expected`` says the outcome in words, ``check(run)`` returns what went
-wrong beyond loss and duplication (empty: fine), ``engines`` where it applies. Register
+fresh pipeline; a point that needs more of the run's batches, up to ``run.batches_left``,
+returns the list of them, as ``node_kill`` does), ``expected`` says the outcome in
+words, ``check(run)`` returns what went wrong beyond loss and duplication (empty: fine),
+``engines`` where it applies. Register
 it with ``@fault_kind("my_kind", expected=..., engines=("scripted",))`` on the inject
 function; the loop, the reference comparison, the watchdog and the report pick it up
 with no other change (``worker_kill`` and ``node_kill`` were added this way). A kind
@@ -110,6 +112,8 @@ SIGKILLing a node takes, so a node kill finds requests in flight (at 8 ms, 14 of
 node kills of a 10,000-point campaign found none: they had finished meanwhile)."""
 
 Ids = list[tuple[int, int]]
+Batches = DataProto | list[DataProto]
+"""What a point gives: its batch, or the batches of a point that takes more than one."""
 Policy = Callable[[Sequence[int], SamplingParams], Sequence[int]]
 
 
@@ -119,7 +123,7 @@ class FaultKind:
     """One fault kind: how it is injected into a batch, and what must follow."""
 
     name: str
-    inject: Callable[[Run, random.Random], DataProto]
+    inject: Callable[[Run, random.Random], Batches]
     expected: str
     check: Callable[[Run], list[str]] = lambda run: []
     engines: tuple[str, ...] = ENGINES
@@ -138,10 +142,10 @@ def fault_kind(
     expected: str,
     check: Callable[[Run], list[str]] | None = None,
     engines: tuple[str, ...] = ENGINES,
-) -> Callable[[Callable[[Run, random.Random], DataProto]], Callable[..., DataProto]]:
+) -> Callable[[Callable[[Run, random.Random], Batches]], Callable[..., Batches]]:
     """Register the decorated ``inject(run, rng) -> batch`` as fault kind ``name``."""
 
-    def register(inject: Callable[[Run, random.Random], DataProto]) -> Callable[..., DataProto]:
+    def register(inject: Callable[[Run, random.Random], Batches]) -> Callable[..., Batches]:
         if name in FAULTS:
             raise ValueError(f"fault kind {name!r} is registered already")
         FAULTS[name] = FaultKind(name, inject, expected, check or (lambda run: []), engines)
@@ -184,6 +188,7 @@ class Run:
         self.tap = setup.taps[engine_kind]
         self.hung = threading.Event()  # set by the watchdog: waits in a point end
         self.batch_done = threading.Event()  # during_batch's get_batch returned
+        self.batches_left = 0  # the batches the run still takes, this point's first
         self._cluster: contextlib.ExitStack | None = None
         if engine_kind == "cluster":  # a cluster of its own: a run kills its nodes
             self._cluster = contextlib.ExitStack()
@@ -426,35 +431,48 @@ def _until(run: Run, done: Callable[[], bool], what: str) -> None:
 @fault_kind(
     "node_kill",
     expected="the Ray node of an engine rank with requests in flight is SIGKILLed "
-    "mid-collection: the pool takes the rank out and re-sends its requests; a new node "
+    "mid-batch (the point takes the run's next batches until one has requests in flight): "
+    "the pool takes the rank out and re-sends its requests; a new node "
     "and expand_sampler bring it back before the next point; or (every other point) the "
     "episode workers' node: a new node at once, its workers replaced, their episodes run "
     "again; the batch is the in-process reference's",
     check=_cluster_whole,
     engines=("cluster",),
 )
-def node_kill(run: Run, rng: random.Random) -> DataProto:
+def node_kill(run: Run, rng: random.Random) -> Batches:
     if next(run.node_kills):
         return _workers_node_kill(run, rng)
     pool, lost = run.engine, {}
+    batches: list[DataProto] = []
 
     def busy() -> list[int]:
         return [load.rank for load in pool.loads() if load.requests]
 
-    def kill() -> None:
-        # a rank with requests in flight: the pipeline collects ahead, so the point's batch
-        # is often made before get_batch is called; then the requests come once it has
-        # returned (the next batch's, which the pool must re-send elsewhere)
-        _until(run, lambda: bool(busy()), "requests in flight")
-        ranks = busy()
-        rank = rng.choice(ranks or pool.active_ranks)
+    def kill(rank: int, with_requests: bool) -> None:
         run.nodes.kill(f"engine_{rank}")
         lost["rank"] = rank
-        run.setup.cluster_counts.update(engine_node_kills=1, killed_with_requests=bool(ranks))
+        run.setup.cluster_counts.update(engine_node_kills=1, killed_with_requests=with_requests)
 
-    # among the batch's first requests (it makes at least one per trajectory): a point
-    # past its last would find the batch done and no request in flight
-    batch = run.during_batch(rng, kill, within=run.config.batch_size - 1)
+    def kill_if_busy() -> None:
+        # a rank with requests in flight, if one comes before the batch returns or, after
+        # it, while episodes run (the refill's: each makes a request a turn)
+        runner = run.pipe.nodes.rollout
+        _until(
+            run,
+            lambda: bool(busy()) or (run.batch_done.is_set() and not runner.num_in_flight),
+            "requests in flight",
+        )
+        if ranks := busy():
+            kill(rng.choice(ranks), True)
+
+    # The pipeline collects ahead (its buffer, then the batches made from it), so a
+    # batch is often made before get_batch is called and no request comes meanwhile: the
+    # point then takes the run's next batch too, until one finds requests in flight (the
+    # refill runs between and during them); with no batch left, a rank with none dies.
+    while "rank" not in lost and len(batches) < run.batches_left:
+        batches.append(run.during_batch(rng, kill_if_busy, within=run.config.batch_size - 1))
+    if "rank" not in lost:
+        kill(rng.choice(pool.active_ranks), False)
     rank = lost["rank"]
     # the pool notices a death when a request to the rank fails: wait for that if some
     # are in flight there; a death no request saw yet is taken out as a shrink would
@@ -471,7 +489,8 @@ def node_kill(run: Run, rng: random.Random) -> DataProto:
         run.pipe.shrink_sampler([rank])
     run.nodes.add(f"engine_{rank}")
     run.pipe.expand_sampler([rank])
-    return batch
+    run.setup.cluster_counts.update(engine_node_kill_batches=len(batches))
+    return batches
 
 
 def _workers_node_kill(run: Run, rng: random.Random) -> DataProto:
@@ -912,17 +931,19 @@ def one_run(
     run = Run(setup, episode_kind, engine_kind, seed)
     got: list[Ids] = []
     owner: dict[tuple[int, int], str] = {}  # reference id -> the point of its batch
+    index = 0  # the run's next batch
     try:
-        for index in range(setup.batches):
+        while index < setup.batches:
             kind = rng.choice(kinds)
             cell = (kind.name, episode_kind, engine_kind)
             for ident in reference[index]:
                 owner[ident] = kind.name
             tally.add(cell, points=1)
             where = f"{kind.name} on {episode_kind}/{engine_kind}, seed {seed}, batch {index}"
+            run.batches_left = setup.batches - index
             with Watchdog(watchdog_s, run.on_hang) as dog:
                 try:
-                    batch = kind.inject(run, rng)
+                    batches = kind.inject(run, rng)
                 except BaseException as exc:
                     if not dog.fired:
                         raise
@@ -933,10 +954,14 @@ def one_run(
                 tally.add(cell, hangs=1)
                 tally.hung.append({"point": where, "error": "finished after the watchdog"})
                 return
-            got.append(identities(batch))
-            earlier = {i for ids in got[:-1] for i in ids}
-            tally.add(cell, duplicated=sum(i in earlier for i in got[-1]))
-            tally.add(cell, duplicated=len(got[-1]) - len(set(got[-1])))
+            for batch in batches if isinstance(batches, list) else [batches]:
+                for ident in reference[index]:
+                    owner[ident] = kind.name
+                index += 1
+                got.append(identities(batch))
+                earlier = {i for ids in got[:-1] for i in ids}
+                tally.add(cell, duplicated=sum(i in earlier for i in got[-1]))
+                tally.add(cell, duplicated=len(got[-1]) - len(set(got[-1])))
             notes = kind.check(run) + run.notes
             run.notes = []
             if notes:
@@ -945,7 +970,7 @@ def one_run(
     finally:
         run.close()
     yielded = {i for ids in got for i in ids}
-    expected = {i for ids in reference for i in ids}
+    expected = set(owner)  # the reference's batches the run's points asked for
     for ident in expected - yielded:
         tally.add((owner[ident], episode_kind, engine_kind), lost=1)
     last = kinds[0].name if not owner else next(reversed(owner.values()))

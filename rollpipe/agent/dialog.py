@@ -13,7 +13,7 @@ Concatenated, the turns are what a fresh ``apply_chat_template`` of the whole
 conversation gives, wherever the template renders the model's response as the model
 wrote it.
 
-Window renders. Rendering the whole conversation twice a turn costs time that grows
+Window renders. Rendering the whole conversation at every turn costs time that grows
 with the history (Jinja walks every message), so the diff is taken on a **window**: the
 conversation's head (up to its first tool result, or its first message after the system
 messages while there is none) and its last exchange (the assistant turn before the last

@@ -356,6 +356,11 @@ class EpisodeRunner(BaseNode[Trajectory]):
         """Finished trajectories waiting to be yielded (a monitoring snapshot)."""
         return len(self._book.results)
 
+    @property
+    def num_in_flight(self) -> int:
+        """Episodes admitted and still running (a monitoring snapshot)."""
+        return len(self._live)
+
     # -- lifecycle --------------------------------------------------------------------
     async def _stop_all(self) -> None:
         tasks = [t for t in (self._driver, *self._live.values()) if t is not None]
