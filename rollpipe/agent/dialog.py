@@ -194,11 +194,8 @@ class Dialog:
         if span is not None:
             head, last = span
             window = [*self.messages[:head], *self.messages[last:]]
-            row_head = self._row_text(0, head)
-            row_tail = self._row_text(last, len(self.messages) - 1)
-            row = None if row_head is None or row_tail is None else row_head + row_tail
             try:
-                text, broke, _ = self._kept_diff(window, None, new, response_ids, row)
+                text, broke, _ = self._kept_diff(window, None, new, response_ids, (head, last))
             except Exception:  # a template that refuses the window: render the whole
                 self.full_render, text = True, None
             if text is not None and self._checks_left > 0:
@@ -216,6 +213,12 @@ class Dialog:
         if acted is not None and acted is self._acted:  # the response's own message
             self._rows[id(acted)] = ((acted, *new), self._said(response_ids) + text)
         return self._encoded(text), broke
+
+    def _window_row(self, head: int, last: int) -> str | None:
+        """The row's own text of ``messages[:head] + messages[last:-1]`` (None: not known)."""
+        row_head = self._row_text(0, head)
+        row_tail = self._row_text(last, len(self.messages) - 1)
+        return None if row_head is None or row_tail is None else row_head + row_tail
 
     def _row_text(self, start: int, end: int) -> str | None:
         """The row's own text of ``messages[start:end]`` and the generation prompt after
@@ -238,10 +241,10 @@ class Dialog:
         self, new: Messages, response_ids: Sequence[int]
     ) -> tuple[str, bool, str | None]:
         """:meth:`_diff` on the whole conversation (its prompt so far: :attr:`text`)."""
-        row = self._row_text(0, len(self.messages) - 1)
+        whole = (len(self.messages) - 1, len(self.messages) - 1)  # a window of it all
         if self._text_upto == len(self.messages) - 1:  # text renders all but the response
-            return self._kept_diff(self.messages, None, new, response_ids, row)
-        return self._kept_diff(self.messages, self.text, new, response_ids, row)
+            return self._kept_diff(self.messages, None, new, response_ids, whole)
+        return self._kept_diff(self.messages, self.text, new, response_ids, whole)
 
     def _kept_diff(
         self,
@@ -249,15 +252,16 @@ class Dialog:
         prompt: str | None,
         new: Messages,
         response_ids: Sequence[int],
-        row: str | None = None,
+        span: tuple[int, int],
     ) -> tuple[str, bool, str]:
         """:meth:`_diff`, ``prompt`` (None: ``history[:-1]`` rendered) given or not; with
         None, kept by its whole input in the format's :class:`Repeats` (a group's
         episodes often take the same turn): the same result, without rendering again.
 
-        ``row`` is the row's own text of ``history[:-1]`` (None: not known). Where the
-        render with the new messages starts with it and the response as written, the rest
-        is the text appended (the row is then that render): one render, no prompt's."""
+        ``history`` is ``messages[:head] + messages[last:]`` for ``span = (head, last)``.
+        Where the render with the new messages starts with the row's own text of
+        ``history[:-1]`` and the response as written, the rest is the text appended (the
+        row is then that render): one render, no prompt's."""
         key = None
         if prompt is None:
             frozen = [m[1] for m in self._marked(history)], [m[1] for m in self._marked(new)]
@@ -268,6 +272,7 @@ class Dialog:
                 return known
         said = self._said(response_ids)
         whole = self._render([*history, *new], True)
+        row = self._window_row(*span)
         if row is not None and whole.startswith(row) and whole.startswith(said, len(row)):
             result = whole[len(row) + len(said) :], False, whole
         else:
