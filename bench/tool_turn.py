@@ -36,10 +36,11 @@ threads on a busy machine). Each run starts after a ``gc.collect()``: a full col
 whichever run crosses the threshold. The tool env's task declares ``blocking = False``,
 as the text env does, so both reset inline (``ToolEnv.blocking``).
 
-Figures (2026-12-02 02:50 UTC, quick, ``--repeats 5``, the shared 2-core machine at load
-3.5): tool ÷ text 1.71 at 8 turns (197 / 112 µs a turn), 1.85 at 32 (157 / 88), 2.03 at
-128 (114 / 56), fresh 2.07 (357 / 177); before the issue-38 cuts (``8482300``) 2.8-3.9
-and fresh 2.9-3.3 (docs/performance.md).
+Figures (2026-12-02 06:20 UTC, quick, ``--repeats 5``, two runs on the shared 2-core
+machine at load 1.0): tool ÷ text 1.64 / 1.42 at 8 turns, 1.74 / 1.65 at 32, 2.15 / 2.02
+at 128 (118 / 55 and 136 / 83 µs a turn), fresh 1.33 / 1.24 (292 / 231, 371 / 267): a new
+turn renders once (it rendered three times at 02:50: fresh 2.07, 128 turns 2.03); before
+the issue-38 cuts (``8482300``) 2.8-3.9 and fresh 2.9-3.3 (docs/performance.md).
 """
 
 from __future__ import annotations
