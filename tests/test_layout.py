@@ -155,6 +155,10 @@ LONGER_MODULES: dict[str, str] = {
     "with the tokenizer shortcuts it takes (each exactly the general path's result)",
     "rollpipe.agent.conversation": "the one conversation: its state, its turn's sampling, "
     "its engine request and the records it builds (a turn is built nowhere else)",
+    "rollpipe.agent.dialog": "Dialog, one class: a chat episode's token-exact conversation "
+    "(its first prompt, each response's action, each continuation by a window render with "
+    "its checks and prefix-break paths); the row's text record is row_text, the kept "
+    "repeats are repeats",
     "rollpipe.engines.weight_broadcast": "BroadcastChannel and its host's WeightReceiver: "
     "one protocol, the group's life (formed, re-formed after a failure) and one update's "
     "failure paths (the buckets' layout is weight_buckets)",

@@ -57,6 +57,7 @@ from rollpipe.agent.chat import ChatFormat, Packed, packed, template_message
 from rollpipe.agent.env_returns import as_messages
 from rollpipe.agent.parsers import ResponseParser
 from rollpipe.agent.repeats import frozen_message, repeat_key, tools_key
+from rollpipe.agent.row_text import RowText
 from rollpipe.agent.template import KeptJson
 from rollpipe.agent.tools import ToolSet
 
@@ -104,10 +105,7 @@ class Dialog:
         # each message's template form (``template_message``) by id, made at its first render
         self._forms: dict[int, tuple[Mapping[str, Any], Mapping[str, Any]]] = {}
         self._schemas = tuple(KeptJson(s) for s in tools.schemas)  # the tools, as rendered
-        # the row's own text of some messages and the generation prompt after them (the
-        # first prompt's, then each turn's response and continuation), by the first one's
-        # id; held with the messages, so a copy's (a front door trial's) never misleads
-        self._rows: dict[int, tuple[tuple[Mapping[str, Any], ...], str]] = {}
+        self._rows = RowText()  # the row's own text, by the messages it covers
         self._acted: Mapping[str, Any] | None = None  # the message act added last
         self._marked(self.messages)
 
@@ -151,7 +149,7 @@ class Dialog:
             if key is not None:
                 self.chat.repeats.put(key, known)
         self.text = known[0]
-        self._rows[id(self.messages[0])] = (tuple(self.messages), known[0])
+        self._rows.add(self.messages, known[0])
         return list(known[1])
 
     def act(self, response_ids: Sequence[int], turn: int) -> AssistantAction:
@@ -211,31 +209,14 @@ class Dialog:
         self.messages.extend(self._joined(new))
         self._text, self._text_upto = whole, len(self.messages)
         if acted is not None and acted is self._acted:  # the response's own message
-            self._rows[id(acted)] = ((acted, *new), self._said(response_ids) + text)
+            self._rows.add((acted, *new), self._said(response_ids) + text)
         return self._encoded(text), broke
 
     def _window_row(self, head: int, last: int) -> str | None:
         """The row's own text of ``messages[:head] + messages[last:-1]`` (None: not known)."""
-        row_head = self._row_text(0, head)
-        row_tail = self._row_text(last, len(self.messages) - 1)
+        row_head = self._rows.of(self.messages, 0, head)
+        row_tail = self._rows.of(self.messages, last, len(self.messages) - 1)
         return None if row_head is None or row_tail is None else row_head + row_tail
-
-    def _row_text(self, start: int, end: int) -> str | None:
-        """The row's own text of ``messages[start:end]`` and the generation prompt after
-        them; None where the row's turns do not start at ``start`` and end at ``end``."""
-        messages, parts, at = self.messages, [], start
-        while at < end:
-            found = self._rows.get(id(messages[at]))
-            if found is None or at + len(found[0]) > end:
-                return None
-            covered, text = found
-            if any(
-                a is not b for a, b in zip(covered, messages[at : at + len(covered)], strict=True)
-            ):
-                return None
-            at += len(covered)
-            parts.append(text)
-        return "".join(parts) if at == end else None
 
     def _whole_diff(
         self, new: Messages, response_ids: Sequence[int]
