@@ -222,10 +222,11 @@ class Dialog:
         self, new: Messages, response_ids: Sequence[int]
     ) -> tuple[str, bool, str | None]:
         """:meth:`_diff` on the whole conversation (its prompt so far: :attr:`text`)."""
-        whole = (len(self.messages) - 1, len(self.messages) - 1)  # a window of it all
-        if self._text_upto == len(self.messages) - 1:  # text renders all but the response
-            return self._kept_diff(self.messages, None, new, response_ids, whole)
-        return self._kept_diff(self.messages, self.text, new, response_ids, whole)
+        last = len(self.messages) - 1
+        span = (last, last)  # the window that leaves nothing out
+        if self._text_upto == last:  # text renders all but the response
+            return self._kept_diff(self.messages, None, new, response_ids, span)
+        return self._kept_diff(self.messages, self.text, new, response_ids, span)
 
     def _kept_diff(
         self,
