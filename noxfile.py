@@ -96,8 +96,9 @@ def install_project(session: nox.Session, extras: str) -> None:
         kept = KEPT_FOR_VISION if "vision" in chosen else []
         uninstall(session, *(p for p in BROKEN_ON_CPU_TORCH if p not in kept))
     if "vision" in chosen:  # every interpreter of the venv (vLLM's engine cores too)
+        # run_install: part of the install, so `--install-only` leaves a venv that imports
         write = "import rollpipe.vision as v; v.write_torchvision_pth()"
-        session.run("python", "-c", write, silent=True)
+        session.run_install("python", "-c", write, silent=True)
     session.run(
         "python",
         "-c",
