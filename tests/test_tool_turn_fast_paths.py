@@ -6,7 +6,8 @@
   the messages are equal with the same types throughout (``1``, ``1.0`` and ``True``
   differ: a template renders them differently);
 * a dialog whose turns are kept (``ChatFormat.repeats``, shared by every dialog of a
-  format) gives the ids a dialog on a fresh format (nothing kept) gives;
+  format) gives the ids a dialog on a fresh format (nothing kept) gives; a response
+  seen at another turn is the action a fresh parse at this turn gives, without a parse;
 * a tool whose schema says all its signature does (``ToolSet.bound_by_schema``) binds
   every argument set the schema check lets through, so skipping ``inspect``'s bind
   changes nothing;
@@ -37,6 +38,7 @@ from rollpipe.agent.dialog import Dialog
 from rollpipe.agent.env_caller import Clock, EnvCaller
 from rollpipe.agent.env_contract import is_blocking
 from rollpipe.agent.env_threads import EnvThreads
+from rollpipe.agent.parsers import ResponseParser
 from rollpipe.agent.records import EpisodeSpec
 from rollpipe.agent.repeats import frozen_message
 from rollpipe.agent.template import KeptJson, template_renderer
@@ -233,6 +235,34 @@ def test_kept_turns_give_the_ids_of_a_dialog_with_nothing_kept(
     if twice:  # the second time, every turn is a kept one
         kept = play(shared)
     assert kept == play(ChatFormat(tokenizers["tools"], tool_parser="hermes"))
+
+
+def test_a_response_seen_at_another_turn_is_renumbered_not_parsed_again(
+    tokenizers: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    chat = ChatFormat(tokenizers["tools"], tool_parser="hermes")
+    tools = ToolSet([add, echo])
+    calls = [("add", {"a": 1, "b": 2}), ("echo", {"text": "hi"})]
+    text = "".join(
+        f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>" for n, a in calls
+    )
+    response = chat.encode(text)
+    fresh = ResponseParser(tokenizers["tools"], tool_parser="hermes", tools=tools.schemas)
+    dialogs = [Dialog(chat, tools) for _ in range(3)]
+    shared = dialogs[0].parser
+    assert shared is not None and all(d.parser is shared for d in dialogs)
+    parses: list[int] = []
+    parse = shared.parse
+    monkeypatch.setattr(
+        shared, "parse", lambda text, turn=0: parses.append(turn) or parse(text, turn)
+    )
+    for turn, dialog in zip([0, 5, 2], dialogs, strict=True):
+        dialog.first_prompt("Add, then echo.")
+        action = dialog.act(response, turn)
+        assert action == fresh.parse(chat.decode_for_parsing(response), turn)
+        assert [c.id for c in action.tool_calls] == [f"call_{turn}_0", f"call_{turn}_1"]
+        assert dialog.messages[-1] == action.message()
+    assert parses == [0]  # parsed once, at the first turn it came
 
 
 @settings(max_examples=300, deadline=None)

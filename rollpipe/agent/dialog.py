@@ -55,7 +55,7 @@ from typing import Any
 from rollpipe.agent.actions import AssistantAction
 from rollpipe.agent.chat import ChatFormat, Packed, packed, template_message
 from rollpipe.agent.env_returns import as_messages
-from rollpipe.agent.parsers import ResponseParser
+from rollpipe.agent.parsers import ResponseParser, renumbered
 from rollpipe.agent.repeats import frozen_message, repeat_key, tools_key
 from rollpipe.agent.row_text import RowText
 from rollpipe.agent.template import KeptJson
@@ -107,6 +107,8 @@ class Dialog:
         self._schemas = tuple(KeptJson(s) for s in tools.schemas)  # the tools, as rendered
         self._rows = RowText()  # the row's own text, by the messages it covers
         self._acted: Mapping[str, Any] | None = None  # the message act added last
+        # (length, last message, _current_window's answer): the window found this turn
+        self._window_at: tuple[int, Mapping[str, Any], Any] | None = None
         self._marked(self.messages)
 
     @property
@@ -159,9 +161,7 @@ class Dialog:
         key = ("act", self._tools_key, turn, tuple(response_ids))
         known: tuple[AssistantAction, Hashable, int] | None = self.chat.repeats.get(key)
         if known is None:
-            text = self.chat.decode_for_parsing(response_ids)
-            parser = self.parser
-            action = AssistantAction.plain(text) if parser is None else parser.parse(text, turn)
+            action = self._parsed(response_ids, turn)
             known = (action, *self._measured(action.message()))
             self.chat.repeats.put(key, known)
         action, frozen, chars = known
@@ -171,6 +171,21 @@ class Dialog:
         self.messages.append(message)
         self._acted = message
         return action
+
+    def _parsed(self, response_ids: Sequence[int], turn: int) -> AssistantAction:
+        """The response decoded and parsed, its calls with ``turn``'s ids. Kept by the ids
+        alone (the parse is a function of the text; only the call ids follow the turn):
+        a response seen at another turn is renumbered, neither decoded nor parsed."""
+        key = ("parsed", self._tools_key, tuple(response_ids))
+        found: tuple[AssistantAction, int] | None = self.chat.repeats.get(key)
+        parser = self.parser
+        if found is None:
+            text = self.chat.decode_for_parsing(response_ids)
+            action = AssistantAction.plain(text) if parser is None else parser.parse(text, turn)
+            found = (action, turn)
+            self.chat.repeats.put(key, found)
+        action, parsed_at = found
+        return action if parsed_at == turn or parser is None else renumbered(action, turn)
 
     def continuation(
         self, observation: Observation, response_ids: Sequence[int]
@@ -187,13 +202,14 @@ class Dialog:
         the text they encode: a repeated continuation is neither tokenized nor packed
         again), and the break."""
         new = as_messages(observation)
+        new_frozen = [mark[1] for mark in self._marked(new)]  # marked once: they join below
         text, broke, whole = None, False, None
-        span = None if self.full_render else self._window()
+        span, window, frozen, _ = (None, (), (), 0) if self.full_render else self._window()
         if span is not None:
-            head, last = span
-            window = [*self.messages[:head], *self.messages[last:]]
             try:
-                text, broke, _ = self._kept_diff(window, None, new, response_ids, (head, last))
+                text, broke, _ = self._kept_diff(
+                    window, None, new, response_ids, span, (frozen, new_frozen)
+                )
             except Exception:  # a template that refuses the window: render the whole
                 self.full_render, text = True, None
             if text is not None and self._checks_left > 0:
@@ -206,7 +222,7 @@ class Dialog:
             text, broke, whole = self._whole_diff(new, response_ids)
         self.prefix_breaks += broke
         acted = self.messages[-1] if self.messages else None
-        self.messages.extend(self._joined(new))
+        self.messages.extend(new)  # marked above
         self._text, self._text_upto = whole, len(self.messages)
         if acted is not None and acted is self._acted:  # the response's own message
             self._rows.add((acted, *new), self._said(response_ids) + text)
@@ -235,18 +251,21 @@ class Dialog:
         new: Messages,
         response_ids: Sequence[int],
         span: tuple[int, int],
+        frozen: tuple[Sequence[Hashable], Sequence[Hashable]] | None = None,
     ) -> tuple[str, bool, str]:
         """:meth:`_diff`, ``prompt`` (None: ``history[:-1]`` rendered) given or not; with
         None, kept by its whole input in the format's :class:`Repeats` (a group's
         episodes often take the same turn): the same result, without rendering again.
 
-        ``history`` is ``messages[:head] + messages[last:]`` for ``span = (head, last)``.
+        ``history`` is ``messages[:head] + messages[last:]`` for ``span = (head, last)``
+        (``frozen``: its messages' frozen numbers and ``new``'s, where known).
         Where the render with the new messages starts with the row's own text of
         ``history[:-1]`` and the response as written, the rest is the text appended (the
         row is then that render): one render, no prompt's."""
         key = None
         if prompt is None:
-            frozen = [m[1] for m in self._marked(history)], [m[1] for m in self._marked(new)]
+            if frozen is None:
+                frozen = [m[1] for m in self._marked(history)], [m[1] for m in self._marked(new)]
             key = repeat_key(self._tools_key, *frozen, response_ids)
         if key is not None:
             known: tuple[str, bool, str] | None = self.chat.repeats.get(key)
@@ -294,10 +313,11 @@ class Dialog:
         messages = self.messages
         if new + self._chars_seen < limit:  # all of it is less: no need to find the window
             return new + self._chars_seen
-        span = None if self.full_render or not messages else self._span()
-        if span is not None and self._checks_left == 0 and span[0] == self._head:
-            head, last = span
-            messages = [*messages[:head], *messages[last:]]
+        if not self.full_render and messages:
+            window = self._current_window()
+            span = window[0]
+            if span is not None and self._checks_left == 0 and span[0] == self._head:
+                return new + window[3]
         return new + sum(mark[2] for mark in self._marked(messages))
 
     def _joined(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -346,15 +366,34 @@ class Dialog:
             last -= 1
         return None if last <= head else (head, last)  # None: nothing left out
 
-    def _window(self) -> tuple[int, int] | None:
-        """The head and the last exchange as :meth:`_span` gives them (see the module
-        doc); ``None`` when that is the whole conversation or it does not end with an
-        assistant turn. A new head (the first tool result came) is checked again on its
-        first turns."""
+    def _current_window(
+        self,
+    ) -> tuple[tuple[int, int] | None, Messages, list[Hashable], int]:
+        """``(span, window messages, their frozen numbers, their text size)`` of the
+        conversation now (:meth:`_span`; the window is all of it where span is None).
+        Kept for the conversation's length and last message: a turn's
+        :meth:`render_chars` and its continuation after it find the window once."""
+        messages = self.messages
+        kept = self._window_at
+        if kept is not None and kept[0] == len(messages) and kept[1] is messages[-1]:
+            return kept[2]
         span = self._span()
+        window = messages if span is None else [*messages[: span[0]], *messages[span[1] :]]
+        marks = self._marked(window)
+        found = (span, window, [m[1] for m in marks], sum(m[2] for m in marks))
+        self._window_at = (len(messages), messages[-1], found)
+        return found
+
+    def _window(self) -> tuple[tuple[int, int] | None, Messages, Sequence[Hashable], int]:
+        """:meth:`_current_window`: the head and the last exchange as :meth:`_span` gives
+        them (see the module doc), span ``None`` when that is the whole conversation or
+        it does not end with an assistant turn. A new head (the first tool result came)
+        is checked again on its first turns."""
+        found = self._current_window()
+        span = found[0]
         if span is not None and span[0] != self._head:
             self._head, self._checks_left = span[0], CHECKED_TURNS
-        return span
+        return found
 
     def _diff(
         self,

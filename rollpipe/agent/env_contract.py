@@ -197,6 +197,7 @@ def runs_own_episode(env: object) -> bool:
 
 
 AGG_MODES: tuple[str, ...] = ("mean", "sum", "min", "max", "first", "last")
+_AGG_SET = frozenset(AGG_MODES)
 
 
 _PLAIN_NUMBERS = (float, int, bool)  # the types a step's metrics usually have
@@ -236,6 +237,8 @@ def step_metrics(info: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, s
         metrics = {k: float(v) for k, v in raw.items()}  # the usual: what _number gives
     else:
         metrics = {str(k): _number(str(k), v) for k, v in raw.items()}
+    if all(type(k) is str and type(v) is str and v in _AGG_SET for k, v in modes.items()):
+        return metrics, dict(modes)  # the usual: what the general path gives
     for k, mode in modes.items():
         if mode not in AGG_MODES:
             raise ValueError(

@@ -66,6 +66,7 @@ _SHAPES = {
 
 ENV_ROLES = ("user", "tool")
 _OPTIONAL = ("tool_call_id", "name")
+_KNOWN_KEYS = frozenset({"role", "content", *_OPTIONAL})
 
 
 def check_messages(where: str, value: Any) -> tuple[dict[str, Any], ...]:
@@ -93,12 +94,13 @@ def check_messages(where: str, value: Any) -> tuple[dict[str, Any], ...]:
             )
         checked: dict[str, Any] = {"role": role, "content": content}
         for key in _OPTIONAL:
-            if message.get(key) is not None:
-                if not isinstance(message[key], str):
-                    raise ValueError(f"{where}[{i}][{key!r}] must be a str, got {message[key]!r}")
-                checked[key] = message[key]
-        unknown = sorted(set(message) - {"role", "content", *_OPTIONAL})
-        if unknown:
+            field = message.get(key)
+            if field is not None:
+                if not isinstance(field, str):
+                    raise ValueError(f"{where}[{i}][{key!r}] must be a str, got {field!r}")
+                checked[key] = field
+        if not message.keys() <= _KNOWN_KEYS:
+            unknown = sorted(set(message) - _KNOWN_KEYS)
             raise ValueError(f"{where}[{i}] has unknown keys {unknown}")
         out.append(checked)
     return tuple(out)

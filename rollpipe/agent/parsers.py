@@ -20,9 +20,11 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
+
 from rollpipe.agent.actions import AssistantAction, ToolCall
 
-__all__ = ["ResponseParser", "call_id"]
+__all__ = ["ResponseParser", "call_id", "renumbered"]
 
 _MARKER_ATTRS = ("tool_calls_start_token", "tool_call_start_token", "bot_token")
 
@@ -30,6 +32,22 @@ _MARKER_ATTRS = ("tool_calls_start_token", "tool_call_start_token", "bot_token")
 def call_id(turn: int, index: int) -> str:
     """The id of call ``index`` of turn ``turn``: deterministic, so re-runs match."""
     return f"call_{turn}_{index}"
+
+
+def renumbered(action: AssistantAction, turn: int) -> AssistantAction:
+    """``action`` as :meth:`ResponseParser.parse` gives it at ``turn``: the same parse, its
+    calls with that turn's ids (the only part of a parse that follows the turn).
+
+    Examples:
+        >>> call = ToolCall.from_json(call_id(0, 0), "add", '{"a": 1}')
+        >>> moved = renumbered(AssistantAction("...", "", [call]), turn=3)
+        >>> [(c.id, c.kwargs) for c in moved.tool_calls]
+        [('call_3_0', {'a': 1})]
+    """
+    if not action.tool_calls:
+        return action
+    calls = [attrs.evolve(c, id=call_id(turn, i)) for i, c in enumerate(action.tool_calls)]
+    return attrs.evolve(action, tool_calls=calls)
 
 
 class _Capture(logging.Filter):
