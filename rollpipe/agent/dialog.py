@@ -157,7 +157,8 @@ class Dialog:
     def act(self, response_ids: Sequence[int], turn: int) -> AssistantAction:
         """The response as an action (the model's parsers), added to the conversation. A
         response seen before at the same turn (a group's episodes often answer alike) is
-        the same action (actions are frozen), neither decoded nor parsed again."""
+        the same action (actions are frozen), neither decoded nor parsed again; one seen
+        at another turn is renumbered (:meth:`_parsed`)."""
         key = ("act", self._tools_key, turn, tuple(response_ids))
         known: tuple[AssistantAction, Hashable, int] | None = self.chat.repeats.get(key)
         if known is None:
