@@ -108,7 +108,7 @@ class Dialog:
         self._rows = RowText()  # the row's own text, by the messages it covers
         self._acted: Mapping[str, Any] | None = None  # the message act added last
         # (length, last message, _current_window's answer): the window found this turn
-        self._window_at: tuple[int, Mapping[str, Any], Any] | None = None
+        self._window_at: tuple[int, Mapping[str, Any] | None, Any] | None = None
         self._marked(self.messages)
 
     @property
@@ -205,7 +205,7 @@ class Dialog:
         new = as_messages(observation)
         new_frozen = [mark[1] for mark in self._marked(new)]  # marked once: they join below
         text, broke, whole = None, False, None
-        span, window, frozen, _ = (None, (), (), 0) if self.full_render else self._window()
+        span, window, frozen, _ = (None, (), (), 0) if self.full_render else self._current_window()
         if span is not None:
             try:
                 text, broke, _ = self._kept_diff(
@@ -315,10 +315,9 @@ class Dialog:
         if new + self._chars_seen < limit:  # all of it is less: no need to find the window
             return new + self._chars_seen
         if not self.full_render and messages:
-            window = self._current_window()
-            span = window[0]
-            if span is not None and self._checks_left == 0 and span[0] == self._head:
-                return new + window[3]
+            span, _, _, window_chars = self._current_window()
+            if span is not None and self._checks_left == 0:
+                return new + window_chars
         return new + sum(mark[2] for mark in self._marked(messages))
 
     def _joined(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -371,29 +370,23 @@ class Dialog:
         self,
     ) -> tuple[tuple[int, int] | None, Messages, list[Hashable], int]:
         """``(span, window messages, their frozen numbers, their text size)`` of the
-        conversation now (:meth:`_span`; the window is all of it where span is None).
-        Kept for the conversation's length and last message: a turn's
+        conversation now: the head and the last exchange as :meth:`_span` gives them (see
+        the module doc; span None and the window all of it where that leaves nothing
+        out). A new head (the first tool result came) is checked again on its first
+        turns. Kept for the conversation's length and last message: a turn's
         :meth:`render_chars` and its continuation after it find the window once."""
         messages = self.messages
+        last = messages[-1] if messages else None
         kept = self._window_at
-        if kept is not None and kept[0] == len(messages) and kept[1] is messages[-1]:
+        if kept is not None and kept[0] == len(messages) and kept[1] is last:
             return kept[2]
         span = self._span()
+        if span is not None and span[0] != self._head:
+            self._head, self._checks_left = span[0], CHECKED_TURNS
         window = messages if span is None else [*messages[: span[0]], *messages[span[1] :]]
         marks = self._marked(window)
         found = (span, window, [m[1] for m in marks], sum(m[2] for m in marks))
-        self._window_at = (len(messages), messages[-1], found)
-        return found
-
-    def _window(self) -> tuple[tuple[int, int] | None, Messages, Sequence[Hashable], int]:
-        """:meth:`_current_window`: the head and the last exchange as :meth:`_span` gives
-        them (see the module doc), span ``None`` when that is the whole conversation or
-        it does not end with an assistant turn. A new head (the first tool result came)
-        is checked again on its first turns."""
-        found = self._current_window()
-        span = found[0]
-        if span is not None and span[0] != self._head:
-            self._head, self._checks_left = span[0], CHECKED_TURNS
+        self._window_at = (len(messages), last, found)
         return found
 
     def _diff(
