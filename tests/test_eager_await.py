@@ -111,3 +111,27 @@ def test_an_env_call_is_timed_only_when_it_waits(action: str) -> None:
         with pytest.raises(EnvFailed) as failed:
             asyncio.run(main())
         assert isinstance(failed.value.error, EnvTimeoutError)
+
+
+class FailsAtOnce:
+    """An async env whose step raises before it waits on anything."""
+
+    async def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        raise KeyError(action)
+
+
+@pytest.mark.parametrize("timeout", [None, 0.05])
+def test_an_env_call_that_fails_before_waiting_is_the_episode_s_failure(
+    timeout: float | None,
+) -> None:
+    """The step runs at once (no timer armed) with or without ``env_timeout_s``; what it
+    raises there is the episode's ``EnvFailed`` naming the call, as for any env error."""
+    caller = EnvCaller(FailsAtOnce(), EpisodeSpec(0, 0, 1), None, timeout, None, False, Clock())
+
+    async def main() -> Any:
+        return await caller("step", 3, lambda result: result, "left")
+
+    with pytest.raises(EnvFailed) as failed:
+        asyncio.run(main())
+    assert isinstance(failed.value.error, KeyError)
+    assert "FailsAtOnce.step" in str(failed.value) and "turn 3" in str(failed.value)

@@ -14,7 +14,9 @@
 * template forms whose tool schemas and call arguments keep their JSON
   (``template.KeptJson``) render as the plain dicts do, every time;
 * ``ToolRunner.run_inline`` gives what ``run`` gives for calls that need no await, runs
-  nothing (None) when one does, and a call checked before is checked alike.
+  nothing (None) when one does, and a call checked before is checked alike;
+* an env's plain messages (``check_messages``) and a step's plain metrics
+  (``step_metrics``), taken on short paths, are what the general checks make of them.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from rollpipe.agent.actions import AssistantAction, ToolCall
 from rollpipe.agent.chat import ChatFormat, template_message
 from rollpipe.agent.dialog import Dialog
 from rollpipe.agent.env_caller import Clock, EnvCaller
-from rollpipe.agent.env_contract import is_blocking
+from rollpipe.agent.env_contract import AGG_MODES, is_blocking, step_metrics
+from rollpipe.agent.env_returns import check_messages
 from rollpipe.agent.env_threads import EnvThreads
 from rollpipe.agent.parsers import ResponseParser
 from rollpipe.agent.records import EpisodeSpec
@@ -417,3 +420,81 @@ def test_a_tool_env_resets_inline_where_its_task_declares_blocking_false(inline:
         env.close()
     assert is_blocking(env) is not inline and env.blocking is not inline
     assert (seen == [threading.current_thread().name]) is inline  # the loop's thread
+
+
+def checked_by_hand(message: Any) -> dict[str, Any] | None:
+    """What ``check_messages`` must make of one message (the env contract, written out), or
+    None where it must refuse it."""
+    if not isinstance(message, dict) or not set(message) <= {"role", "content", *OPTIONAL}:
+        return None
+    if message.get("role") not in ("user", "tool") or type(message.get("content")) is not str:
+        return None  # (a user message's content parts are the general path's, not drawn here)
+    if any(message.get(key) is not None and type(message[key]) is not str for key in OPTIONAL):
+        return None
+    checked = {"role": message["role"], "content": message["content"]}
+    checked.update({key: message[key] for key in OPTIONAL if message.get(key) is not None})
+    return checked
+
+
+OPTIONAL = ("tool_call_id", "name")
+MESSAGE_VALUES = st.one_of(TEXT, st.none(), st.integers(-2, 2), st.lists(TEXT, max_size=1))
+MESSAGE = st.one_of(
+    st.dictionaries(
+        st.sampled_from(["role", "content", *OPTIONAL, "extra"]),
+        st.one_of(st.sampled_from(["user", "tool", "assistant"]), MESSAGE_VALUES),
+    ),
+    st.builds(  # the usual shape, in the order the tool runner writes it
+        lambda *fields: dict(zip(("role", "tool_call_id", "name", "content"), fields, strict=True)),
+        st.sampled_from(["tool", "user"]),
+        TEXT,
+        TEXT,
+        TEXT,
+    ),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(messages=st.lists(MESSAGE, min_size=1, max_size=3))
+def test_checked_messages_are_the_contract_s_whatever_path_checks_them(
+    messages: list[Any],
+) -> None:
+    """``check_messages``'s short path for plain messages (every value a str) gives what the
+    general checks give: the same keys in the same order, and a refusal where they refuse."""
+    wanted = [checked_by_hand(m) for m in messages]
+    if None in wanted:
+        with pytest.raises(ValueError, match=r"Env\.step: observation\[\d\]"):
+            check_messages("Env.step: observation", messages)
+        return
+    got = check_messages("Env.step: observation", messages)
+    assert [list(m.items()) for m in got] == [list(m.items()) for m in wanted]  # type: ignore[union-attr]
+    assert all(g is not m for g, m in zip(got, messages, strict=True))  # copies: not the env's
+
+
+NUMBERS = st.one_of(
+    st.floats(allow_nan=False, allow_infinity=False), st.integers(-5, 5), st.booleans()
+)
+METRIC_VALUES = st.one_of(NUMBERS, st.text(max_size=2), st.none())
+MODES = st.one_of(st.sampled_from(AGG_MODES), st.text(max_size=2), st.integers(0, 1))
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    raw=st.dictionaries(st.one_of(TEXT, st.integers(0, 2)), METRIC_VALUES, max_size=4),
+    modes=st.dictionaries(st.one_of(TEXT, st.integers(0, 2)), MODES, max_size=4),
+)
+def test_step_metrics_short_path_gives_the_general_answer(
+    raw: dict[Any, Any], modes: dict[Any, Any]
+) -> None:
+    """``step_metrics``: names as str, numbers as floats, modes checked, whether or not every
+    name is a str and every value a plain number (the short path's condition)."""
+    bad_value = any(isinstance(v, str) or v is None for v in raw.values())
+    bad_mode = any(m not in AGG_MODES for m in modes.values())
+    info = {"metrics": raw, "metrics_agg_mode": modes}
+    if bad_value or bad_mode:
+        with pytest.raises(ValueError, match=r"info\['metrics"):
+            step_metrics(info)
+        return
+    values, got_modes = step_metrics(info)
+    assert values == {str(k): float(v) for k, v in raw.items()}
+    assert all(type(k) is str and type(v) is float for k, v in values.items())
+    assert got_modes == {str(k): v for k, v in modes.items()}

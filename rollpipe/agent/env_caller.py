@@ -85,8 +85,10 @@ class EnvCaller:
             fn = functools.partial(fn, **kwargs)
         start = time.perf_counter()
         try:
-            if awaitable:
-                result = await self._awaited(fn(arg))
+            if awaitable:  # run at once up to its first wait: the usual step waits on nothing
+                done, result = started(fn(arg))
+                if not done:
+                    result = await self._timed(result)
             elif self.inline:  # declared fast: cheaper than a thread hop
                 result = fn(arg)
                 self._check_inline_time(time.perf_counter() - start)
@@ -137,15 +139,17 @@ class EnvCaller:
     async def _awaited(self, awaitable: Any) -> Any:
         """``awaitable``'s result within ``timeout`` (from now); a coroutine that returns
         without waiting (``rollpipe.agent.eager``) needs no timer."""
+        done, rest = started(awaitable)
+        return rest if done else await self._timed(rest)
+
+    async def _timed(self, awaitable: Any) -> Any:
+        """``awaitable``'s result within ``timeout`` from now (a coroutine's rest from
+        where it first waits: what ran before could not be timed on the loop anyway)."""
         if self.timeout is None:
             return await awaitable
-        deadline = asyncio.get_running_loop().time() + self.timeout
         try:
-            done, rest = started(awaitable)
-            if done:
-                return rest
-            async with asyncio.timeout_at(deadline):  # no task of its own, as wait_for's
-                return await rest
+            async with asyncio.timeout(self.timeout):  # no task of its own, as wait_for's
+                return await awaitable
         except TimeoutError:
             raise EnvTimeoutError(f"no return within {self.timeout} s") from None
 

@@ -212,6 +212,25 @@ def _number(name: str, value: Any) -> float:
     return float(value)
 
 
+def _plain_metrics(raw: Mapping[Any, Any]) -> dict[str, float] | None:
+    """``raw`` as floats where every name is a str and every value a plain number (one
+    pass: a tool turn reports six), else None."""
+    metrics = {}
+    for name, value in raw.items():
+        if type(name) is not str or type(value) not in _PLAIN_NUMBERS:
+            return None
+        metrics[name] = float(value)
+    return metrics
+
+
+def _plain_modes(modes: Mapping[Any, Any]) -> bool:
+    """Whether every name is a str and every mode one of :data:`AGG_MODES`."""
+    for name, mode in modes.items():
+        if type(name) is not str or type(mode) is not str or mode not in _AGG_SET:
+            return False
+    return True
+
+
 def step_metrics(info: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, str]]:
     """``(metrics, agg_modes)`` of one step's ``info``, checked; both empty when absent.
 
@@ -233,11 +252,10 @@ def step_metrics(info: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, s
             f"info['metrics_agg_mode'] must be a dict of names to {AGG_MODES}, got "
             f"{type(modes).__name__}"
         )
-    if all(type(k) is str and type(v) in _PLAIN_NUMBERS for k, v in raw.items()):
-        metrics = {k: float(v) for k, v in raw.items()}  # the usual: what _number gives
-    else:
+    metrics = _plain_metrics(raw)  # the usual: what _number gives
+    if metrics is None:
         metrics = {str(k): _number(str(k), v) for k, v in raw.items()}
-    if all(type(k) is str and type(v) is str and v in _AGG_SET for k, v in modes.items()):
+    if _plain_modes(modes):
         return metrics, dict(modes)  # the usual: what the general path gives
     for k, mode in modes.items():
         if mode not in AGG_MODES:

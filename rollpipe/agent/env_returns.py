@@ -66,7 +66,8 @@ _SHAPES = {
 
 ENV_ROLES = ("user", "tool")
 _OPTIONAL = ("tool_call_id", "name")
-_KNOWN_KEYS = frozenset({"role", "content", *_OPTIONAL})
+_IN_ORDER = ("role", "content", *_OPTIONAL)  # a checked message's keys, in its order
+_KNOWN_KEYS = frozenset(_IN_ORDER)
 
 
 def check_messages(where: str, value: Any) -> tuple[dict[str, Any], ...]:
@@ -80,6 +81,9 @@ def check_messages(where: str, value: Any) -> tuple[dict[str, Any], ...]:
         )
     out = []
     for i, message in enumerate(value):
+        if _plain(message):  # the usual message: what the checks below give, at once
+            out.append({key: message[key] for key in _IN_ORDER if key in message})
+            continue
         if not isinstance(message, Mapping):
             raise ValueError(f"{where}[{i}] must be a dict, got {type(message).__name__}")
         role, content = message.get("role"), message.get("content")
@@ -104,6 +108,18 @@ def check_messages(where: str, value: Any) -> tuple[dict[str, Any], ...]:
             raise ValueError(f"{where}[{i}] has unknown keys {unknown}")
         out.append(checked)
     return tuple(out)
+
+
+def _plain(message: Any) -> bool:
+    """Whether ``message`` is a dict of known keys whose values are all strings, with a
+    content and a role an env answers as: the checks of :func:`check_messages` pass it."""
+    return (
+        type(message) is dict
+        and message.get("role") in ENV_ROLES
+        and "content" in message
+        and message.keys() <= _KNOWN_KEYS
+        and all(type(v) is str for v in message.values())
+    )
 
 
 def as_messages(observation: str | Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
